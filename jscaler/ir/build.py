@@ -1,0 +1,175 @@
+"""Converts a jaxpr into Graph ops: inlines nested jits, keeps custom-derivative and remat
+calls whole, keeps scans as loop ops, and annotates and counts every op."""
+
+from __future__ import annotations
+
+import re
+
+import jax.extend.core as jcore
+
+from jscaler.errors import AnnotationError, UnsupportedOpError
+from jscaler.ir.compose import compose
+from jscaler.ir.flops import op_flops
+from jscaler.ir.graph import Graph, Literal, Op, Tensor
+from jscaler.ir.registry import annotate_eqn
+
+__all__ = ["Builder", "join_path"]
+
+INLINE = {"jit", "pjit", "closed_call", "core_call"}
+CALLS = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr"}
+LOOPS = {"scan"}
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def join_path(prefix: str, inner: str) -> str:
+    """Joins a call site's module path with a path recorded inside its body.
+
+    nnx paths are recorded whole (``blocks/0/mlp``), linen paths relative to the call.
+    Scope names that are not module names (``jnp.einsum`` records its subscripts) are
+    dropped.
+    """
+    inner = "/".join(p for p in inner.split("/") if _NAME.match(p))
+    if not inner:
+        return prefix
+    if not prefix or inner == prefix or inner.startswith(prefix + "/"):
+        return inner
+    return prefix + "/" + inner
+
+
+def _dtype(aval) -> str:
+    return str(getattr(aval, "dtype", "token"))
+
+
+class Builder:
+    """Accumulates tensors and ops while walking jaxprs."""
+
+    def __init__(self, *, strict: bool, first_id: int = 0):
+        self.strict = strict
+        self.tensors: dict[int, Tensor] = {}
+        self.ops: list[Op] = []
+        self.consts: dict[int, object] = {}
+        self._next = first_id
+
+    def new_tensor(self, aval, role: str = "value", name: str = "") -> int:
+        tid = self._next
+        self._next += 1
+        self.tensors[tid] = Tensor(tid, tuple(getattr(aval, "shape", ())), _dtype(aval), role, name)
+        return tid
+
+    def _new_op_id(self) -> int:
+        return len(self.ops) and self.ops[-1].id + 1
+
+    def graph(self, inputs, outputs, signature=None) -> Graph:
+        return Graph(
+            dict(self.tensors),
+            tuple(self.ops),
+            tuple(inputs),
+            tuple(outputs),
+            self.consts,
+            signature,
+        )
+
+    def convert(self, jaxpr, consts, in_ids, prefix: str = "") -> list:
+        """Adds the ops of ``jaxpr`` fed by ``in_ids``; returns its output ids/literals."""
+        env: dict = {}
+
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return Literal(v.val, _dtype(v.aval))
+            return env[v]
+
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = tid = self.new_tensor(v.aval, "const")
+            self.consts[tid] = c
+        for v, i in zip(jaxpr.invars, in_ids, strict=True):
+            env[v] = i
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            path = join_path(prefix, str(eqn.source_info.name_stack))
+            name = eqn.primitive.name
+            if name in INLINE:
+                closed = eqn.params["jaxpr"]
+                outs = self.convert(closed.jaxpr, closed.consts, ins, path)
+            else:
+                outs = [self.new_tensor(v.aval) for v in eqn.outvars]
+                self.ops.append(self._op(eqn, ins, outs, path))
+            for v, o in zip(eqn.outvars, outs):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    def _op(self, eqn, ins, outs, path) -> Op:
+        name = eqn.primitive.name
+        oid = self._new_op_id()
+        if name in CALLS or name in LOOPS:
+            inner = eqn.params[CALLS.get(name, "jaxpr")]
+            jaxpr, consts = (inner.jaxpr, inner.consts) if hasattr(inner, "jaxpr") else (inner, ())
+            body = _body_graph(jaxpr, consts, path, self.strict)
+            if name in LOOPS:
+                p = eqn.params
+                n_c, n_carry = scan_layout(eqn)
+                n_x = len(ins) - n_c - n_carry
+                ann = compose(
+                    body,
+                    leading_in=[False] * (n_c + n_carry) + [True] * n_x,
+                    leading_out=[False] * n_carry + [True] * (len(outs) - n_carry),
+                    carries=[(n_c + k, k) for k in range(n_carry)],
+                )
+                flops, kind = body.flops * p["length"], "loop"
+            else:
+                ann, flops, kind = compose(body), body.flops, "call"
+            if ann is not None:
+                ann = ann.bind(_shapes(eqn.invars), _shapes(eqn.outvars))
+            op = Op(oid, name, tuple(ins), tuple(outs), path, ann, flops, kind, eqn, body)
+        else:
+            try:
+                ann = annotate_eqn(eqn)
+            except AnnotationError as e:
+                raise AnnotationError(f"annotating {name!r} at module path {path!r}: {e}") from e
+            op = Op(oid, name, tuple(ins), tuple(outs), path, ann, op_flops(eqn), "op", eqn)
+        if op.annotation is None and self.strict:
+            raise UnsupportedOpError(_unsupported_message(op, eqn))
+        return op
+
+
+def scan_layout(eqn) -> tuple[int, int]:
+    """(number of consts, number of carries) of a scan equation, across jax versions."""
+    p = eqn.params
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, xs = p["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    order = [*consts, *carry, *xs]
+    if order != list(range(len(eqn.invars))):
+        raise NotImplementedError(f"scan operands in an unexpected order: {order}")
+    return len(consts), len(carry)
+
+
+def _shapes(vs):
+    return [tuple(getattr(v.aval, "shape", ())) for v in vs]
+
+
+def _body_graph(jaxpr, consts, path: str, strict: bool) -> Graph:
+    b = Builder(strict=strict)
+    ins = [b.new_tensor(v.aval) for v in jaxpr.invars]
+    outs = b.convert(jaxpr, consts, ins, path)
+    return b.graph(ins, outs)
+
+
+def _unsupported_message(op: Op, eqn) -> str:
+    def fmt(vs):
+        return ", ".join(f"{_dtype(v.aval)}{list(getattr(v.aval, 'shape', ()))}" for v in vs)
+
+    rank_names = [
+        "a b c d e f g h"[: 2 * len(getattr(v.aval, "shape", ())) - 1] for v in eqn.invars
+    ]
+    example = ", ".join(r or "()" for r in rank_names) + " -> ..."
+    return (
+        f"no dim annotation for primitive {op.primitive!r} at module path "
+        f"{op.path or '<root>'!r} ({fmt(eqn.invars)} -> {fmt(eqn.outvars)}). jscaler must "
+        f"know which dims of every op can be split. Register one before tracing, e.g. "
+        f"jscaler.register_op({op.primitive!r}, lambda eqn: '{example}'), naming each axis of "
+        f"each input and output, with '+' on dims that give partial sums and '^' on dims "
+        f"that cannot be split; or trace with strict=False to inspect the graph."
+    )

@@ -1,0 +1,274 @@
+"""The Graph IR: the forward computation of a loss as ops over pTensors.
+
+A :class:`Graph` is what :func:`jscaler.trace` returns. Its ops are jaxpr equations with
+nested ``jit`` calls inlined; custom-derivative and rematerialised calls stay whole as
+``call`` ops (their custom gradients survive) and ``scan`` stays a ``loop`` op that
+:meth:`Graph.unroll` expands. Every op carries its Flax module path and its dim
+annotation.
+
+The graph is immutable: :meth:`select`, :meth:`unroll` and friends return new graphs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jscaler.ir.annotation import Annotation
+
+__all__ = ["Coverage", "Graph", "Layer", "Literal", "Op", "Tensor"]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A logical tensor (pTensor) of the graph.
+
+    Attributes:
+      id: unique within the graph.
+      shape, dtype: its abstract value.
+      role: ``param`` (trained), ``state`` (other model variables, e.g. RNG counters or
+        batch statistics), ``batch``, ``const`` (closed-over constant) or ``value``
+        (computed by an op).
+      name: where it comes from, e.g. ``blocks/0/attn/q_proj/kernel`` or ``batch/tokens``;
+        empty for computed values.
+    """
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: str
+    role: str = "value"
+    name: str = ""
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A constant operand written inline in the jaxpr (e.g. ``2.0`` in ``x * 2``)."""
+
+    value: Any = field(compare=False)
+    dtype: str = ""
+
+    def __repr__(self):
+        return f"Literal({self.value!r})"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of the graph.
+
+    Attributes:
+      id: unique within the graph; ops are stored in a valid execution order.
+      primitive: the jaxpr primitive name (``dot_general``, ``custom_jvp_call``, ``scan``).
+      inputs: tensor ids, or :class:`Literal` for inline constants.
+      outputs: tensor ids.
+      path: the Flax module path, e.g. ``blocks/0/attn/q_proj``.
+      annotation: the dim annotation, None when no rule exists (only in non-strict traces).
+      flops: floating-point operations of one execution.
+      kind: ``op`` (a primitive), ``call`` (a custom-derivative or remat call kept whole,
+        ``body`` is its inner graph) or ``loop`` (a scan, ``body`` is one iteration).
+    """
+
+    id: int
+    primitive: str
+    inputs: tuple[int | Literal, ...]
+    outputs: tuple[int, ...]
+    path: str
+    annotation: Annotation | None
+    flops: float
+    kind: str = "op"
+    eqn: Any = field(default=None, compare=False, repr=False)
+    body: Graph | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def tensor_inputs(self) -> tuple[int, ...]:
+        return tuple(i for i in self.inputs if not isinstance(i, Literal))
+
+    @property
+    def where(self) -> str:
+        """``primitive at module path``, for messages."""
+        return f"{self.primitive!r} (op {self.id}) at module path {self.path or '<root>'!r}"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Fractions (0..1) of ops and of FLOPs that carry a dim annotation."""
+
+    ops: float
+    flops: float
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One repeated layer: the i-th entry of one or more parallel module lists."""
+
+    name: str
+    index: int
+    graph: Graph = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    """Ops over tensors, with graph-level inputs and outputs (tensor ids or literals).
+
+    ``consts`` holds the values of ``const`` tensors; ``signature`` (top-level graphs
+    only) knows how to call the graph like the traced loss function.
+    """
+
+    tensors: dict[int, Tensor]
+    ops: tuple[Op, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int | Literal, ...]
+    consts: dict[int, Any] = field(default_factory=dict)
+    signature: Any = None
+
+    # ---- lookup ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __iter__(self) -> Iterator[Op]:
+        return iter(self.ops)
+
+    def op(self, op_id: int) -> Op:
+        for o in self.ops:
+            if o.id == op_id:
+                return o
+        raise KeyError(f"no op with id {op_id} in this graph")
+
+    def producer(self, tensor_id: int) -> Op | None:
+        return self._producers().get(tensor_id)
+
+    def consumers(self, tensor_id: int) -> tuple[Op, ...]:
+        return tuple(o for o in self.ops if tensor_id in o.tensor_inputs)
+
+    def _producers(self) -> dict[int, Op]:
+        cache = self.__dict__.get("_producer_cache")
+        if cache is None:
+            cache = {t: o for o in self.ops for t in o.outputs}
+            object.__setattr__(self, "_producer_cache", cache)
+        return cache
+
+    @property
+    def flops(self) -> float:
+        return float(sum(o.flops for o in self.ops))
+
+    def params(self) -> tuple[Tensor, ...]:
+        """The trained parameters among the inputs, in input order."""
+        return tuple(self.tensors[i] for i in self.inputs if self.tensors[i].role == "param")
+
+    # ---- subgraphs -------------------------------------------------------------------
+
+    def subgraph(self, ops: Sequence[Op]) -> Graph:
+        """The graph of the given ops; its inputs and outputs are the boundary tensors."""
+        chosen = {o.id for o in ops}
+        ops = tuple(o for o in self.ops if o.id in chosen)
+        produced = {t for o in ops for t in o.outputs}
+        inputs: dict[int, None] = {}
+        for o in ops:
+            for t in o.tensor_inputs:
+                if t not in produced:
+                    inputs.setdefault(t)
+        used_outside = {t for o in self.ops if o.id not in chosen for t in o.tensor_inputs}
+        used_outside |= {t for t in self.outputs if not isinstance(t, Literal)}
+        outputs = tuple(t for o in ops for t in o.outputs if t in used_outside)
+        keep = set(inputs) | produced
+        return Graph(
+            {i: t for i, t in self.tensors.items() if i in keep},
+            ops,
+            tuple(inputs),
+            outputs,
+            {i: v for i, v in self.consts.items() if i in keep},
+        )
+
+    def select(self, pattern: str) -> Graph:
+        """Ops whose module path matches a glob, as a subgraph.
+
+        ``*`` matches within one path component, ``**`` across components. A pattern that
+        matches a module selects everything inside it: ``"blocks/*/attn"`` selects every
+        op of every block's attention, as does ``"blocks/*/attn/**"``.
+        """
+        rx = _glob_regex(pattern)
+        return self.subgraph([o for o in self.ops if rx.match(o.path)])
+
+    def layers(self) -> tuple[Layer, ...]:
+        """Groups ops into repeated layers, in execution order.
+
+        A layer is the i-th entry of a module list (a path component that is an integer,
+        e.g. ``blocks/3/...``). Lists under the same parent with the same entries are
+        parallel (``attns/i`` and ``mlps/i``) and form one layer per index.
+        """
+        members: dict[tuple[str, str], dict[int, list[Op]]] = {}
+        for o in self.ops:
+            parts = o.path.split("/") if o.path else []
+            k = next((k for k, p in enumerate(parts) if k > 0 and p.isdigit()), None)
+            if k is None:
+                continue
+            key = ("/".join(parts[: k - 1]), parts[k - 1])
+            members.setdefault(key, {}).setdefault(int(parts[k]), []).append(o)
+        families: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+        for (parent, lst), entries in members.items():
+            families.setdefault((parent, tuple(sorted(entries))), []).append(lst)
+        layers = []
+        for (parent, indices), lists in families.items():
+            prefix = parent + "/" if parent else ""
+            for i in indices:
+                ops = [o for lst in lists for o in members[(parent, lst)][i]]
+                name = "+".join(f"{prefix}{lst}/{i}" for lst in lists)
+                layers.append((min(o.id for o in ops), Layer(name, i, self.subgraph(ops))))
+        return tuple(layer for _, layer in sorted(layers, key=lambda x: x[0]))
+
+    # ---- analysis --------------------------------------------------------------------
+
+    def coverage(self) -> Coverage:
+        """Fractions of ops and of FLOPs whose op carries a dim annotation."""
+        if not self.ops:
+            return Coverage(1.0, 1.0)
+        annotated = [o for o in self.ops if o.annotation is not None]
+        total = self.flops
+        covered = sum(o.flops for o in annotated)
+        return Coverage(len(annotated) / len(self.ops), covered / total if total else 1.0)
+
+    def unannotated(self) -> tuple[Op, ...]:
+        return tuple(o for o in self.ops if o.annotation is None)
+
+    # ---- execution -------------------------------------------------------------------
+
+    def evaluate(self, *flat_inputs) -> list:
+        """Runs the ops on values for ``inputs`` and returns the values of ``outputs``."""
+        from jscaler.ir.evaluate import evaluate
+
+        return evaluate(self, flat_inputs)
+
+    def as_fn(self) -> Callable:
+        """A callable with the traced loss function's signature, computing it from the ops.
+
+        For an nnx model it updates the model's non-parameter state (RNG counters, batch
+        statistics) as the original did.
+        """
+        if self.signature is None:
+            raise TypeError("as_fn() needs a traced graph; call evaluate() on subgraphs")
+        return self.signature.make_fn(self)
+
+    def unroll(self, op: Op | int) -> Graph:
+        """Expands a ``loop`` op (a scan) into one copy of its body per iteration."""
+        from jscaler.ir.unroll import unroll
+
+        return unroll(self, op if isinstance(op, Op) else self.op(op))
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    parts = []
+    for i, piece in enumerate(pattern.split("**")):
+        if i:
+            parts.append(".*")
+        parts.append(fnmatch.translate(piece)[4:-3].replace(".*", "[^/]*"))
+    return re.compile("^(?:" + "".join(parts) + ")(?:/.*)?$")

@@ -1,0 +1,118 @@
+"""Reference models and the registry the CLI resolves ``--model NAME`` against.
+
+Each entry is a :class:`ModelSpec`: how to build the model (or its params) from a seed,
+its loss, and a deterministic synthetic batch. The models themselves are plain Flax (or
+plain JAX) and know nothing about jscaler. Large entries are registered here but only
+built when asked for; building one allocates its full parameters (use ``gpt.num_params``
+to size one without allocating).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flax import nnx
+
+from models import convnet, gpt, mlp
+
+__all__ = ["ModelSpec", "UnknownModelError", "get", "names"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered model: everything a driver needs to train it on synthetic data.
+
+    Attributes:
+        name: Registry name, such as ``"gpt-tiny"``.
+        kind: ``"nnx"`` (``init`` returns an nnx Module), ``"linen"`` or ``"params"``
+            (``init`` returns a params pytree).
+        init: ``seed -> model`` (nnx) or ``seed -> params``.
+        loss: ``loss(model_or_params, batch) -> scalar``.
+        batch: ``(batch_size, seed) -> batch`` pytree, deterministic in ``seed``.
+        batch_size: Default global batch size for demos and tests (divisible by 8).
+        description: One line for listings.
+    """
+
+    name: str
+    kind: str
+    init: Callable[[int], Any]
+    loss: Callable[[Any, Any], Any]
+    batch: Callable[[int, int], Any]
+    batch_size: int
+    description: str
+
+
+class UnknownModelError(KeyError):
+    """Raised by :func:`get` for a name that is not registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+def _gpt_spec(name: str, cfg: gpt.GPTConfig, batch_size: int, what: str) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        kind="nnx",
+        init=lambda seed: gpt.GPT(cfg, rngs=nnx.Rngs(seed)),
+        loss=gpt.loss,
+        batch=lambda size, seed: gpt.synthetic_batch(cfg, size, seed),
+        batch_size=batch_size,
+        description=(
+            f"{what}: {cfg.n_layers} layers, d_model {cfg.d_model}, "
+            f"{cfg.n_heads} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}"
+        ),
+    )
+
+
+def _build() -> dict[str, ModelSpec]:
+    conv_cfg, mlp_cfg = convnet.tiny(), mlp.tiny()
+    specs = [
+        _gpt_spec("gpt-tiny", gpt.tiny(), 8, "Llama-style decoder for tests"),
+        _gpt_spec("gpt-small", gpt.small(), 16, "Llama-style decoder for benchmarks"),
+        _gpt_spec("gpt-1.3b", gpt.gpt_1_3b(), 8, "Llama-style decoder, GPT-3 XL shape"),
+        _gpt_spec("llama-7b", gpt.llama_7b(), 8, "Llama-7B shape"),
+        _gpt_spec("llama-13b", gpt.llama_13b(), 8, "Llama-13B shape"),
+        ModelSpec(
+            name="convnet-tiny",
+            kind="linen",
+            init=lambda seed: convnet.init(conv_cfg, seed),
+            loss=convnet.make_loss(conv_cfg),
+            batch=lambda size, seed: convnet.synthetic_batch(conv_cfg, size, seed),
+            batch_size=16,
+            description="linen conv net (GroupNorm) on 16x16x3 images, 10 classes",
+        ),
+        ModelSpec(
+            name="mlp-tiny",
+            kind="params",
+            init=lambda seed: mlp.init(mlp_cfg, seed),
+            loss=mlp.loss,
+            batch=lambda size, seed: mlp.synthetic_batch(mlp_cfg, size, seed),
+            batch_size=16,
+            description="plain-JAX tanh MLP 32-64-64-8 regressing a random teacher",
+        ),
+    ]
+    return {spec.name: spec for spec in specs}
+
+
+_REGISTRY: dict[str, ModelSpec] = _build()
+
+
+def names() -> list[str]:
+    """The registered model names, in registration order."""
+    return list(_REGISTRY)
+
+
+def get(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` registered as ``name``.
+
+    Raises:
+        UnknownModelError: (a ``KeyError``) when ``name`` is not registered; the message
+            lists the known names.
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(names())
+        raise UnknownModelError(f"unknown model {name!r}; known models: {known}") from None
