@@ -210,6 +210,74 @@ RULE_CASES = {
     ),
     "pad": (lambda x: jnp.pad(x, ((0, 0), (1, 2))), (jnp.ones((4, 6)),)),
     "iota": (lambda x: x + jnp.arange(6.0), (jnp.ones((4, 6)),)),
+    "unary": (
+        lambda x: (
+            jnp.sign(x)
+            + jax.scipy.special.erf(x)
+            + jax.scipy.special.erfc(x)
+            + jax.nn.sigmoid(x)
+            + x**3
+            + lax.rsqrt(x * x + 1)
+            + jnp.isfinite(x)
+            + jnp.tanh(x)
+        ),
+        (jnp.sin(jnp.arange(24.0)).reshape(4, 6),),
+    ),
+    "scalars": (lambda x, s: x * jnp.exp(s) + jnp.log(s + 2.0), (jnp.ones((4, 6)), jnp.array(0.5))),
+    "depthwise_conv": (
+        lambda x, w: lax.conv_general_dilated(
+            x,
+            w,
+            (1, 1),
+            "SAME",
+            feature_group_count=4,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        ),
+        (
+            jnp.sin(jnp.arange(128.0)).reshape(2, 4, 4, 4),
+            jnp.cos(jnp.arange(36.0)).reshape(3, 3, 1, 4),
+        ),
+    ),
+    "avg_pool": (
+        lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"),
+        (jnp.sin(jnp.arange(64.0)).reshape(2, 4, 4, 2),),
+    ),
+    "max_pool_grad": (  # select_and_scatter_add, as the backward of max pooling emits it
+        jax.grad(
+            lambda x: lax.reduce_window(
+                x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID"
+            ).sum()
+        ),
+        (jnp.sin(jnp.arange(64.0)).reshape(2, 4, 4, 2),),
+    ),
+    "dynamic_update_slice": (
+        lambda x, u: lax.dynamic_update_slice(x, u, (0, 2)),
+        (jnp.sin(jnp.arange(24.0)).reshape(4, 6), jnp.ones((4, 2))),
+    ),
+    "squeeze_expand": (
+        lambda x: jnp.squeeze(jnp.expand_dims(x, 1), 1)[:, None] * 2,
+        (jnp.sin(jnp.arange(24.0)).reshape(4, 6),),
+    ),
+    "min_argmin": (
+        lambda x: x.min(0) + jnp.argmin(x, 0),
+        (jnp.sin(jnp.arange(24.0)).reshape(4, 6),),
+    ),
+    "random_dropout": (
+        lambda x, k: jnp.where(jax.random.bernoulli(k, 0.5, x.shape), x, 0.0),
+        (jnp.sin(jnp.arange(24.0)).reshape(4, 6), jax.random.key(0)),
+    ),
+    "cond": (
+        lambda x, i: lax.cond(i > 0, lambda x: jnp.sin(x) * 2, lambda x: x + 1, x),
+        (jnp.sin(jnp.arange(24.0)).reshape(4, 6), jnp.array(1)),
+    ),
+    "while": (
+        lambda x: lax.while_loop(lambda c: c[1] < 3, lambda c: (c[0] * 1.5, c[1] + 1), (x, 0))[0],
+        (jnp.sin(jnp.arange(24.0)).reshape(4, 6),),
+    ),
+    "transpose_matmul": (
+        lambda x, w: (x.T @ w).T,
+        (jnp.sin(jnp.arange(24.0)).reshape(4, 6), jnp.cos(jnp.arange(8.0)).reshape(4, 2)),
+    ),
 }
 
 
@@ -217,8 +285,23 @@ RULE_CASES = {
 def test_every_rule_keeps_its_promises(case):
     fn, args = RULE_CASES[case]
     g = jscaler.trace(lambda p, b: jnp.sum(fn(*b)).astype(jnp.float32), {}, list(args))
+    assert g.coverage() == jscaler.Coverage(1.0, 1.0)
     n = jscaler.check_annotations(g, {}, list(args))
     assert n > 0
+
+
+def test_cond_and_while_compose_their_bodies():
+    x = jnp.ones((4, 6))
+    cond = op_of(
+        lambda x, i: lax.cond(i > 0, jnp.sin, jnp.cos, x), x, jnp.array(1), primitive="cond"
+    )
+    assert str(cond.annotation) == "(), a b -> a b"
+    loop = op_of(
+        lambda x: lax.while_loop(lambda c: c[0].sum() < 9, lambda c: (c[0] * 1.5, c[1]), (x, 0))[0],
+        x,
+        primitive="while",
+    )
+    assert loop.annotation.splittable() == ()  # the condition reads the whole carry
 
 
 def test_a_wrong_rule_is_caught():

@@ -8,7 +8,7 @@ import re
 import jax.extend.core as jcore
 
 from jscaler.errors import AnnotationError, UnsupportedOpError
-from jscaler.ir.compose import compose
+from jscaler.ir.control import COMPOSITES, composite
 from jscaler.ir.flops import op_flops
 from jscaler.ir.graph import Graph, Literal, Op, Tensor
 from jscaler.ir.registry import annotate_eqn
@@ -16,8 +16,6 @@ from jscaler.ir.registry import annotate_eqn
 __all__ = ["Builder", "join_path"]
 
 INLINE = {"jit", "pjit", "closed_call", "core_call"}
-CALLS = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr"}
-LOOPS = {"scan"}
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -103,23 +101,15 @@ class Builder:
     def _op(self, eqn, ins, outs, path) -> Op:
         name = eqn.primitive.name
         oid = self._new_op_id()
-        if name in CALLS or name in LOOPS:
-            inner = eqn.params[CALLS.get(name, "jaxpr")]
-            jaxpr, consts = (inner.jaxpr, inner.consts) if hasattr(inner, "jaxpr") else (inner, ())
-            body = _body_graph(jaxpr, consts, path, self.strict)
-            if name in LOOPS:
-                p = eqn.params
-                n_c, n_carry = scan_layout(eqn)
-                n_x = len(ins) - n_c - n_carry
-                ann = compose(
-                    body,
-                    leading_in=[False] * (n_c + n_carry) + [True] * n_x,
-                    leading_out=[False] * n_carry + [True] * (len(outs) - n_carry),
-                    carries=[(n_c + k, k) for k in range(n_carry)],
+        if name in COMPOSITES:
+
+            def make_body(inner):
+                jaxpr, consts = (
+                    (inner.jaxpr, inner.consts) if hasattr(inner, "jaxpr") else (inner, ())
                 )
-                flops, kind = body.flops * p["length"], "loop"
-            else:
-                ann, flops, kind = compose(body), body.flops, "call"
+                return _body_graph(jaxpr, consts, path, self.strict)
+
+            ann, flops, kind, body = composite(eqn, make_body)
             if ann is not None:
                 ann = ann.bind(_shapes(eqn.invars), _shapes(eqn.outvars))
             op = Op(oid, name, tuple(ins), tuple(outs), path, ann, flops, kind, eqn, body)
@@ -132,18 +122,6 @@ class Builder:
         if op.annotation is None and self.strict:
             raise UnsupportedOpError(_unsupported_message(op, eqn))
         return op
-
-
-def scan_layout(eqn) -> tuple[int, int]:
-    """(number of consts, number of carries) of a scan equation, across jax versions."""
-    p = eqn.params
-    if "num_consts" in p:
-        return p["num_consts"], p["num_carry"]
-    consts, carry, xs = p["ft_in"].update(list(range(len(eqn.invars)))).unpack()
-    order = [*consts, *carry, *xs]
-    if order != list(range(len(eqn.invars))):
-        raise NotImplementedError(f"scan operands in an unexpected order: {order}")
-    return len(consts), len(carry)
 
 
 def _shapes(vs):

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 
 from jscaler.errors import TraceError
-from jscaler.ir.build import Builder, scan_layout
+from jscaler.ir.build import Builder
+from jscaler.ir.control import scan_layout
 from jscaler.ir.graph import Graph, Literal, Op
 
 __all__ = ["unroll"]

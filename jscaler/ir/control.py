@@ -1,0 +1,102 @@
+"""Ops that hold sub-programs: custom-derivative and remat calls, scan, cond, while.
+
+They stay whole in the graph (their custom gradients, rematerialisation and loop
+structure survive ``as_fn``); their annotation is composed from their bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jscaler.ir.annotation import Annotation
+from jscaler.ir.compose import compose
+from jscaler.ir.graph import Graph
+
+__all__ = ["COMPOSITES", "composite", "scan_layout"]
+
+CALLS = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr"}
+COMPOSITES = set(CALLS) | {"scan", "cond", "while"}
+
+MakeBody = Callable[[object], Graph]  # a (closed) jaxpr -> its Graph
+
+
+def composite(eqn, make_body: MakeBody) -> tuple[Annotation | None, float, str, Graph]:
+    """(annotation before binding, FLOPs, kind, body graph) of a composite equation."""
+    name, p = eqn.primitive.name, eqn.params
+    if name in CALLS:
+        body = make_body(p[CALLS[name]])
+        return compose(body), body.flops, "call", body
+    if name == "scan":
+        body = make_body(p["jaxpr"])
+        n_c, n_carry = scan_layout(eqn)
+        n_x = len(eqn.invars) - n_c - n_carry
+        ann = compose(
+            body,
+            leading_in=[False] * (n_c + n_carry) + [True] * n_x,
+            leading_out=[False] * n_carry + [True] * (len(eqn.outvars) - n_carry),
+            carries=[(n_c + k, k) for k in range(n_carry)],
+        )
+        return ann, body.flops * p["length"], "loop", body
+    if name == "cond":
+        return _cond(eqn, make_body)
+    return _while(eqn, make_body)
+
+
+def scan_layout(eqn) -> tuple[int, int]:
+    """(number of consts, number of carries) of a scan equation, across jax versions."""
+    p = eqn.params
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, xs = p["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    order = [*consts, *carry, *xs]
+    if order != list(range(len(eqn.invars))):
+        raise NotImplementedError(f"scan operands in an unexpected order: {order}")
+    return len(consts), len(carry)
+
+
+def _cond(eqn, make_body):
+    """Branches must agree on an annotation; otherwise nothing of the cond splits."""
+    bodies = [make_body(b) for b in eqn.params["branches"]]
+    anns = [compose(b) for b in bodies]
+    flops = max(b.flops for b in bodies)
+    if any(a is None for a in anns):
+        return None, flops, "call", bodies[0]
+    ann = anns[0] if len({a.canonical() for a in anns}) == 1 else _all_blocked(anns[0])
+    with_index = Annotation(((),) + ann.inputs, ann.outputs, dict(ann.kinds), ann.sizes)
+    return with_index.canonical(), flops, "call", bodies[0]
+
+
+def _while(eqn, make_body):
+    """The body composes like a scan's; a carry the loop condition reads does not split."""
+    p = eqn.params
+    n_cc, n_bc = p["cond_nconsts"], p["body_nconsts"]
+    body, cond = make_body(p["body_jaxpr"]), make_body(p["cond_jaxpr"])
+    n_carry = len(eqn.outvars)
+    ann = compose(body, carries=[(n_bc + k, k) for k in range(n_carry)])
+    if ann is None or compose(cond) is None:
+        return None, body.flops, "loop", body
+    read = {k for k in range(n_carry) if cond.inputs[n_cc + k] in _read_tensors(cond)}
+    kinds = dict(ann.kinds)
+    for k in read:
+        for ax in ann.inputs[n_bc + k]:
+            for d in ax:
+                kinds[d] = "^"
+    cond_consts = tuple(
+        tuple((f"_w{i}_{a}",) for a in range(len(cond.tensors[t].shape)))
+        for i, t in enumerate(cond.inputs[:n_cc])
+    )
+    for t in cond_consts:
+        for (d,) in t:
+            kinds[d] = "^"
+    out = Annotation(cond_consts + ann.inputs, ann.outputs, kinds, ann.sizes)
+    return out.canonical(), body.flops, "loop", body
+
+
+def _read_tensors(g: Graph) -> set:
+    return {t for o in g.ops for t in o.tensor_inputs} | {
+        t for t in g.outputs if isinstance(t, int)
+    }
+
+
+def _all_blocked(ann: Annotation) -> Annotation:
+    return Annotation(ann.inputs, ann.outputs, {d: "^" for d in ann.kinds}, ann.sizes)
