@@ -2,13 +2,24 @@
 
 The public API, exported once here::
 
-    graph = jscaler.trace(loss_fn, model_or_params, batch)
-    graph.coverage(), graph.select("blocks/*/attn"), graph.layers(), graph.as_fn()
+    graph = jscaler.trace(loss_fn, model_or_params, batch)          # the Graph IR
+    plan = spaces.megatron(tp=2)(graph, 8)                           # or the primitives:
+    plan, subs = jscaler.op_trans(plan, op, jscaler.split("b"), 2)   # op-trans
+    plan = jscaler.op_assign(plan, subs[0], 0)                       # op-assign
+    plan = jscaler.op_order(plan, subs[0], subs[1])                  # op-order
+    jscaler.validate(plan)
+    trainer = jscaler.parallelize(model, loss_fn, optax.sgd(0.1), batch, plan=plan)
 """
 
 from jscaler.errors import AnnotationError as AnnotationError
+from jscaler.errors import AssignmentError as AssignmentError
+from jscaler.errors import CoverageError as CoverageError
+from jscaler.errors import CycleError as CycleError
 from jscaler.errors import JscalerError as JscalerError
+from jscaler.errors import LayoutError as LayoutError
 from jscaler.errors import MaskError as MaskError
+from jscaler.errors import PlanError as PlanError
+from jscaler.errors import SplitError as SplitError
 from jscaler.errors import TraceError as TraceError
 from jscaler.errors import UnsupportedOpError as UnsupportedOpError
 from jscaler.ir import Annotation as Annotation
@@ -23,25 +34,65 @@ from jscaler.ir import VTensor as VTensor
 from jscaler.ir import check_annotations as check_annotations
 from jscaler.ir import register_op as register_op
 from jscaler.ir import trace as trace
+from jscaler.plan import DimClasses as DimClasses
+from jscaler.plan import MeshSpec as MeshSpec
+from jscaler.plan import Node as Node
+from jscaler.plan import Plan as Plan
+from jscaler.plan import SubOp as SubOp
+from jscaler.plan import data_parallel as data_parallel
+from jscaler.plan import decouple as decouple
+from jscaler.plan import op_assign as op_assign
+from jscaler.plan import op_order as op_order
+from jscaler.plan import op_trans as op_trans
+from jscaler.plan import recompute as recompute
+from jscaler.plan import replicate as replicate
+from jscaler.plan import split as split
+from jscaler.plan import validate as validate
+from jscaler.runtime import Space as Space
+from jscaler.runtime import Trainer as Trainer
+from jscaler.runtime import parallelize as parallelize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Annotation",
     "AnnotationError",
+    "AssignmentError",
     "Coverage",
+    "CoverageError",
+    "CycleError",
+    "DimClasses",
     "Graph",
     "JscalerError",
     "Layer",
+    "LayoutError",
     "Mask",
     "MaskError",
+    "MeshSpec",
+    "Node",
     "Op",
     "PTensor",
+    "Plan",
+    "PlanError",
+    "Space",
+    "SplitError",
+    "SubOp",
     "Tensor",
     "TraceError",
+    "Trainer",
     "UnsupportedOpError",
     "VTensor",
     "check_annotations",
+    "data_parallel",
+    "decouple",
+    "op_assign",
+    "op_order",
+    "op_trans",
+    "parallelize",
+    "recompute",
     "register_op",
+    "replicate",
+    "split",
     "trace",
+    "validate",
 ]

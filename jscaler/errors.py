@@ -8,8 +8,14 @@ from __future__ import annotations
 
 __all__ = [
     "AnnotationError",
+    "AssignmentError",
+    "CoverageError",
+    "CycleError",
     "JscalerError",
+    "LayoutError",
     "MaskError",
+    "PlanError",
+    "SplitError",
     "TraceError",
     "UnsupportedOpError",
 ]
@@ -33,3 +39,27 @@ class AnnotationError(JscalerError):
 
 class MaskError(JscalerError):
     """A vTensor mask is malformed or does not fit its pTensor."""
+
+
+class PlanError(JscalerError):
+    """A plan is malformed, inconsistent with its graph, or cannot run as asked."""
+
+
+class SplitError(PlanError):
+    """An op_trans split names a dim that cannot be split, or does not divide it."""
+
+
+class AssignmentError(PlanError):
+    """A sub-op is unassigned, or assigned to a device that does not exist."""
+
+
+class CycleError(PlanError):
+    """Data dependencies and op_order constraints form a cycle."""
+
+
+class CoverageError(PlanError):
+    """Some piece of a consumed tensor is produced on no device."""
+
+
+class LayoutError(PlanError):
+    """The pieces of a tensor cannot be laid out on the plan's device mesh."""

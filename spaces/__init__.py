@@ -1,1 +1,13 @@
-"""Placeholder: filled by the plans and pipeline issues."""
+"""Search spaces written with jscaler's public API.
+
+A space is a callable ``space(graph, n_devices) -> Plan``. ``SPACES`` maps the names the
+command line accepts (``--plan "megatron(tp=2, dp=4)"``) to the functions making them.
+"""
+
+from spaces.dp import dp
+from spaces.megatron import megatron
+from spaces.zero import zero
+
+SPACES = {"dp": dp, "megatron": megatron, "zero": zero}
+
+__all__ = ["SPACES", "dp", "megatron", "zero"]

@@ -1,0 +1,264 @@
+"""Lowering a validated plan to one SPMD JAX program.
+
+Every tensor gets the layout its pieces imply: parameters, state and batch are stored
+with NamedShardings; before an op runs, its inputs are constrained to the layouts its
+pieces read; after it runs, its outputs to the layouts its pieces write. XLA's SPMD
+partitioner inserts the collectives between the two.
+
+Partial sums stay under the plan's control: an op split along a '+' dim runs as a
+``shard_map`` region that computes the local partial result and reduces it right there
+with the collective the consumers ask for: ``psum`` (all-reduce), or ``psum_scatter``
+(reduce-scatter) when every consumer wants the result split along one more axis over the
+same devices. (The embedding lookup's vocabulary split is left to XLA, which masks the
+lookups and reduces at the output constraint.)
+
+Backward is JAX autodiff of this forward; random ops keep single-device bits because
+threefry is partitionable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from jscaler.compile.layout import Layout, layout_of, replicated
+from jscaler.errors import LayoutError
+from jscaler.ir.graph import Literal, Op
+from jscaler.plan.pieces import op_pieces
+from jscaler.plan.plan import Plan
+
+__all__ = ["Lowered", "lower"]
+
+SHARD_MAP_PARTIAL = {"dot_general", "conv_general_dilated", "reduce_sum"}
+
+
+@dataclass(frozen=True, eq=False)
+class OpLayouts:
+    inputs: tuple[Layout | None, ...]  # None: a literal
+    outputs: tuple[Layout, ...]  # produced; may be partial
+
+
+@dataclass(frozen=True, eq=False)
+class Lowered:
+    """A plan lowered onto concrete devices: the mesh, every layout, and the forward."""
+
+    plan: Plan
+    mesh: Mesh
+    ops: dict[int, OpLayouts]
+    storage: dict[int, Layout]  # graph input tensor -> stored layout
+    targets: dict[int, Layout]  # tensor -> the layout its consumers agree on (reduced)
+    grad: dict[int, Layout]  # param tensor -> gradient layout
+    update: dict[int, Layout]  # param tensor -> optimizer update / state layout
+
+    def sharding(self, layout: Layout) -> NamedSharding:
+        return NamedSharding(self.mesh, layout.pspec())
+
+    def input_shardings(self) -> list[NamedSharding]:
+        g = self.plan.pgraph.graph
+        return [self.sharding(self.storage[t]) for t in g.inputs]
+
+    def forward(self, *flat_inputs):
+        """Values of the graph outputs (loss, new state) under the plan's layouts."""
+        return _run(self, flat_inputs)
+
+
+def lower(plan: Plan, devices) -> Lowered:
+    """Lowers a validated plan onto ``devices`` (device i of the plan = ``devices[i]``)."""
+    spec = plan.mesh
+    arr = np.array([devices[i] for i in spec.devices], dtype=object).reshape(
+        [s for _, s in spec.axes]
+    )
+    mesh = Mesh(arr, spec.names, axis_types=(AxisType.Auto,) * len(spec.axes))
+    pg = plan.pgraph
+    g = pg.graph
+    ops: dict[int, OpLayouts] = {}
+    for op in g.ops:
+        ops[op.id] = _op_layouts(plan, op)
+    wants: dict[int, list[Layout]] = {}
+    for op in g.ops:
+        for x, lay in zip(op.inputs, ops[op.id].inputs):
+            if not isinstance(x, Literal):
+                wants.setdefault(x, []).append(lay)
+    for x in g.outputs:
+        if not isinstance(x, Literal):
+            wants.setdefault(x, []).append(replicated(len(g.tensors[x].shape)))
+    targets = {t: ls[0] for t, ls in wants.items() if all(lay == ls[0] for lay in ls)}
+    storage = {t: targets.get(t, replicated(len(g.tensors[t].shape))) for t in g.inputs}
+    grad, update = {}, {}
+    for table, vops in ((grad, pg.grad_ops), (update, pg.update_ops)):
+        for vop in vops:
+            param = vop.inputs[0]
+            if vop.id in plan.trees:
+                table[param] = _op_layouts(plan, vop).outputs[0]
+            else:
+                table[param] = storage[param]
+    return Lowered(plan, mesh, ops, storage, targets, grad, update)
+
+
+def _op_layouts(plan: Plan, op: Op) -> OpLayouts:
+    pieces = op_pieces(plan, op)
+    by_device = {}
+    for p in pieces:
+        if p.device in by_device:
+            raise LayoutError(
+                f"{op.where} has two pieces on device {p.device}; one SPMD program runs one "
+                f"piece of each op per device (colocated pieces come with coshard)"
+            )
+        by_device[p.device] = p
+    tensors = plan.pgraph.graph.tensors
+    ins = []
+    for k, x in enumerate(op.inputs):
+        if isinstance(x, Literal):
+            ins.append(None)
+            continue
+        masks = {d: p.inputs[k] for d, p in by_device.items()}
+        ins.append(layout_of(plan.mesh, tensors[x].shape, masks, f"input {k} of {op.where}"))
+    outs = []
+    for k, x in enumerate(op.outputs):
+        masks = {d: p.outputs[k] for d, p in by_device.items()}
+        outs.append(layout_of(plan.mesh, tensors[x].shape, masks, f"output {k} of {op.where}"))
+    return OpLayouts(tuple(ins), tuple(outs))
+
+
+# ---- running the forward -------------------------------------------------------------
+
+
+def _constrain(low: Lowered, x, layout: Layout):
+    return jax.lax.with_sharding_constraint(x, low.sharding(layout))
+
+
+def _bind(op: Op, ins):
+    eqn = op.eqn
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*ins, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _run(low: Lowered, flat_inputs):
+    g = low.plan.pgraph.graph
+    env = dict(g.consts)
+    have: dict[int, Layout] = {}
+    for t, v in zip(g.inputs, flat_inputs):
+        env[t] = v
+        have[t] = low.storage[t]
+    segments = _segments(low.plan, g.ops)
+    for recompute, ops in segments:
+        if recompute:
+            _run_checkpointed(low, ops, env, have)
+        else:
+            for op in ops:
+                _run_op(low, op, env, have)
+    return [x.value if isinstance(x, Literal) else env[x] for x in g.outputs]
+
+
+def _segments(plan: Plan, ops):
+    """Consecutive runs of ops, grouped by recompute group (None: not recomputed)."""
+    group_of = {}
+    for i, grp in enumerate(plan.recompute):
+        for op_id in grp:
+            group_of[op_id] = i
+    out: list[tuple[int | None, list[Op]]] = []
+    for op in ops:
+        grp = group_of.get(op.id)
+        if out and out[-1][0] == grp:
+            out[-1][1].append(op)
+        else:
+            out.append((grp, [op]))
+    return [(grp is not None, seg) for grp, seg in out]
+
+
+def _run_checkpointed(low: Lowered, ops, env, have):
+    produced = {t for o in ops for t in o.outputs}
+    needed = [t for o in ops for t in o.tensor_inputs if t not in produced]
+    needed = list(dict.fromkeys(needed))
+    outputs = list(produced)
+
+    def segment(*vals):
+        local_env = dict(zip(needed, vals))
+        local_have = {t: have[t] for t in needed if t in have}
+        for o in ops:
+            _run_op(low, o, local_env, local_have)
+        return [local_env[t] for t in outputs], [local_have[t] for t in outputs]
+
+    layouts = {}
+
+    def values_only(*vals):
+        outs, lays = segment(*vals)
+        layouts["out"] = lays
+        return outs
+
+    outs = jax.checkpoint(values_only)(*[env[t] for t in needed])
+    env.update(zip(outputs, outs))
+    have.update(zip(outputs, layouts["out"]))
+
+
+def _run_op(low: Lowered, op: Op, env, have):
+    lays = low.ops[op.id]
+    ins = []
+    for x, lay in zip(op.inputs, lays.inputs):
+        if isinstance(x, Literal):
+            ins.append(x.value)
+            continue
+        v = env[x]
+        if have.get(x) != lay:
+            v = _constrain(low, v, lay)
+        ins.append(v)
+    partial = any(lay.partial for lay in lays.outputs)
+    if op.kind == "identity":
+        outs = ins
+    elif partial and op.primitive in SHARD_MAP_PARTIAL:
+        outs, out_lays = _run_partial(low, op, ins, lays)
+        for t, v, lay in zip(op.outputs, outs, out_lays):
+            env[t], have[t] = v, lay
+        return
+    else:
+        outs = _bind(op, ins)
+    for t, v, lay in zip(op.outputs, outs, lays.outputs):
+        lay = low.targets.get(t, lay.reduced) if lay.partial else lay
+        env[t] = _constrain(low, v, lay)
+        have[t] = lay
+
+
+def _run_partial(low: Lowered, op: Op, ins, lays: OpLayouts):
+    """A '+' split in a shard_map: local partial result, then the plan's reduction."""
+    tensor_ins = [(k, v) for k, (v, lay) in enumerate(zip(ins, lays.inputs)) if lay is not None]
+    literals = {k: v for k, (v, lay) in enumerate(zip(ins, lays.inputs)) if lay is None}
+    plans = [_reduction(low, t, lay) for t, lay in zip(op.outputs, lays.outputs)]
+
+    def body(*local):
+        args = dict(zip((k for k, _ in tensor_ins), local))
+        args.update(literals)
+        outs = _bind(op, [args[k] for k in range(len(ins))])
+        result = []
+        for v, (how, axes, dim, _) in zip(outs, plans):
+            if how == "scatter":
+                v = jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True)
+            elif axes:
+                v = jax.lax.psum(v, axes)
+            result.append(v)
+        return result
+
+    in_specs = tuple(lays.inputs[k].pspec() for k, _ in tensor_ins)
+    out_specs = [final.pspec() for *_, final in plans]
+    outs = jax.shard_map(
+        body, mesh=low.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )(*[v for _, v in tensor_ins])
+    return outs, [final for *_, final in plans]
+
+
+def _reduction(low: Lowered, t: int, produced: Layout):
+    """How to reduce a partial output: ('psum'|'scatter', axes, scatter dim, result layout)."""
+    axes = produced.partial
+    want = low.targets.get(t)
+    reduced = produced.reduced
+    if want is not None and want != reduced:
+        diff = [a for a in range(len(reduced.spec)) if want.spec[a] != reduced.spec[a]]
+        if len(diff) == 1:
+            a = diff[0]
+            if want.spec[a] == reduced.spec[a] + axes:
+                return ("scatter", axes, a, want)
+    return ("psum", axes, None, reduced)

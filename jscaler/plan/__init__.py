@@ -1,0 +1,27 @@
+"""Plans: the three primitives over a graph, frozen Plans, validation, explanation.
+
+Owns: ``Plan``/``Node``/``SubOp``/``MeshSpec`` (frozen, JSON round-trip), the primitives
+``op_trans``/``op_assign``/``op_order`` and their algorithms, dim classes, ``validate``,
+and helpers spaces are written with. Imports ``jscaler.ir`` and ``jscaler.errors`` only.
+"""
+
+from jscaler.plan.classes import DimClasses as DimClasses
+from jscaler.plan.helpers import assign_mesh as assign_mesh
+from jscaler.plan.helpers import batch_axes as batch_axes
+from jscaler.plan.helpers import data_parallel as data_parallel
+from jscaler.plan.helpers import split_classes as split_classes
+from jscaler.plan.mesh import MeshSpec as MeshSpec
+from jscaler.plan.pieces import Piece as Piece
+from jscaler.plan.pieces import op_pieces as op_pieces
+from jscaler.plan.plan import Node as Node
+from jscaler.plan.plan import Plan as Plan
+from jscaler.plan.plan import SubOp as SubOp
+from jscaler.plan.primitives import Algorithm as Algorithm
+from jscaler.plan.primitives import decouple as decouple
+from jscaler.plan.primitives import op_assign as op_assign
+from jscaler.plan.primitives import op_order as op_order
+from jscaler.plan.primitives import op_trans as op_trans
+from jscaler.plan.primitives import recompute as recompute
+from jscaler.plan.primitives import replicate as replicate
+from jscaler.plan.primitives import split as split
+from jscaler.plan.validate import validate as validate

@@ -1,0 +1,92 @@
+"""Helpers for writing spaces: split dim classes over a mesh axis, assign by mesh level.
+
+A space is a function ``space(graph, n_devices) -> Plan`` written with the primitives.
+These helpers are the common moves, built from ``op_trans`` and ``op_assign`` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from jscaler.errors import PlanError
+from jscaler.ir.graph import Graph, Op
+from jscaler.plan.classes import DimClasses
+from jscaler.plan.mesh import MeshSpec
+from jscaler.plan.plan import Plan, SubOp
+from jscaler.plan.primitives import _split_problem, op_assign, op_trans, replicate, split
+
+__all__ = ["assign_mesh", "batch_axes", "data_parallel", "split_classes"]
+
+
+def batch_axes(graph: Graph) -> list[tuple[int, int]]:
+    """(tensor, 0) for every batch leaf of rank >= 1: the seeds of data parallelism."""
+    return [
+        (t, 0)
+        for t in graph.inputs
+        if graph.tensors[t].role == "batch" and len(graph.tensors[t].shape) >= 1
+    ]
+
+
+def split_classes(
+    plan: Plan,
+    seeds: Sequence[tuple[int, int]],
+    n: int,
+    *,
+    ops: Iterable[Op] | None = None,
+    classes: DimClasses | None = None,
+    choose=None,
+) -> Plan:
+    """Splits each op n ways along the first seed class it carries; replicates the rest.
+
+    Args:
+      seeds: tensor axes ``(tensor id, axis)`` whose dim classes to split.
+      ops: the ops to transform (default: every forward op).
+      choose: optional ``fn(op, dim) -> bool`` vetoing a split (then the op replicates).
+    """
+    classes = classes or DimClasses(plan.pgraph.graph)
+    roots = [classes.of(*s) for s in seeds]
+    for op in list(ops if ops is not None else plan.pgraph.graph.ops):
+        for sub in plan.sub_ops(op.id):
+            dim = None
+            for r in roots:
+                d = classes.dim_of(op, r)
+                tree = plan.tree(op.id)
+                if d is not None and not _split_problem(op, tree, sub.path, d, n):
+                    if choose is None or choose(op, d):
+                        dim = d
+                        break
+            algo = split(dim) if dim else replicate()
+            plan, _ = op_trans(plan, sub, algo, n)
+    return plan
+
+
+def assign_mesh(plan: Plan, levels: Sequence[str], *, ops: Iterable[Op] | None = None) -> Plan:
+    """Assigns every leaf: its child index at tree level k is its coordinate on mesh axis
+    ``levels[k]``. Every op must have been transformed once per level."""
+    mesh = plan.mesh
+    sizes = mesh.shape
+    for name in levels:
+        if name not in sizes:
+            raise PlanError(f"assign_mesh: mesh {mesh} has no axis {name!r}")
+    targets = list(ops) if ops is not None else list(plan.pgraph.graph.ops)
+    for op in targets:
+        for sub in plan.sub_ops(op.id):
+            if len(sub.path) != len(levels):
+                raise PlanError(
+                    f"assign_mesh: sub-op {sub} of {op.where} is {len(sub.path)} levels deep; "
+                    f"expected one level per mesh axis {list(levels)}"
+                )
+            coords = dict(zip(levels, sub.path))
+            plan = op_assign(plan, SubOp(sub.op, sub.path), mesh.device_at(coords))
+    return plan
+
+
+def data_parallel(graph: Graph, n_devices: int) -> Plan:
+    """Data parallelism: every op carrying the batch dim is split n ways; others replicate.
+
+    Parameters are replicated; their gradients are all-reduced by the layouts.
+    """
+    mesh = MeshSpec.create(dp=n_devices)
+    plan = Plan.create(graph, mesh, name=f"dp(dp={n_devices})")
+    plan = split_classes(plan, batch_axes(graph), n_devices)
+    return assign_mesh(plan, ["dp"])

@@ -1,0 +1,78 @@
+"""Sub-op pieces: which part (vTensor mask) of each input and output a sub-op touches.
+
+Walking an op's tree from the root, a split along dim d into n narrows, for child i, every
+tensor whose axis carries d to its i-th chunk of that axis; for a '+' dim the outputs
+(which lack d) become the i-th partial sum instead. Tensors without d are whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jscaler.ir.graph import Literal, Op
+from jscaler.ir.vtensor import Mask
+from jscaler.plan.plan import Node, Plan, SubOp
+
+__all__ = ["Piece", "op_pieces"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One leaf sub-op: its device and the masks of its inputs (None: literal) and outputs."""
+
+    sub: SubOp
+    device: int | None
+    inputs: tuple[Mask | None, ...]
+    outputs: tuple[Mask, ...]
+
+
+def _splits(tree: Node, path):
+    node, out = tree, []
+    for i in path:
+        if node.algo == "split":
+            out.append((node.dim, len(node.children), i))
+        node = node.children[i]
+    return out
+
+
+def _mask(dims, shape, splits, kinds, is_output) -> Mask:
+    m = Mask.full(shape)
+    for d, n, i in splits:
+        axis = next((a for a, ax in enumerate(dims) if ax[0] == d), None)
+        if axis is not None:
+            m = m.split(axis, n, i)
+        elif is_output and kinds.get(d) == "+":
+            m = m.split_value(n, i)
+    return m
+
+
+def op_pieces(plan: Plan, op: Op) -> tuple[Piece, ...]:
+    """The pieces of every leaf of ``op``'s tree in ``plan`` (cached on the plan)."""
+    cache = plan.__dict__.setdefault("_pieces_cache", {})
+    if op.id in cache:
+        return cache[op.id]
+    tree = plan.tree(op.id)
+    tensors = plan.pgraph.graph.tensors
+    ann = op.annotation
+    out = []
+    for path, leaf in tree.leaves():
+        splits = _splits(tree, path)
+        if ann is None:
+            ins = tuple(
+                None if isinstance(x, Literal) else Mask.full(tensors[x].shape) for x in op.inputs
+            )
+            outs = tuple(Mask.full(tensors[x].shape) for x in op.outputs)
+        else:
+            ins = tuple(
+                None
+                if isinstance(x, Literal)
+                else _mask(dims, tensors[x].shape, splits, ann.kinds, False)
+                for dims, x in zip(ann.inputs, op.inputs)
+            )
+            outs = tuple(
+                _mask(dims, tensors[x].shape, splits, ann.kinds, True)
+                for dims, x in zip(ann.outputs, op.outputs)
+            )
+        out.append(Piece(SubOp(op.id, path), leaf.device, ins, outs))
+    cache[op.id] = tuple(out)
+    return cache[op.id]

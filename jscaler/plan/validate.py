@@ -1,0 +1,163 @@
+"""``jscaler.validate(plan)``: a plan is checked whole before anything is lowered or run.
+
+Checks, in order: every split names a splittable dim and divides it; every sub-op of a
+forward op is assigned to a device of the mesh; every consumed piece of every tensor is
+produced somewhere (partial sums complete); and data dependencies (piece masks that
+intersect) together with op_order constraints form no cycle.
+"""
+
+from __future__ import annotations
+
+from jscaler.errors import AssignmentError, CoverageError, CycleError, PlanError, SplitError
+from jscaler.ir.graph import Literal
+from jscaler.ir.vtensor import Mask, uncovered
+from jscaler.plan.pieces import op_pieces
+from jscaler.plan.plan import Node, Plan, SubOp
+from jscaler.plan.primitives import _split_problem
+
+__all__ = ["validate"]
+
+FORWARD_KINDS = ("op", "call", "loop", "identity")
+
+
+def validate(plan: Plan, *, n_devices: int | None = None) -> Plan:
+    """Checks a plan; returns it unchanged, or raises a :class:`PlanError` subclass.
+
+    Args:
+      n_devices: the number of devices the plan will run on, when known.
+    """
+    if n_devices is not None and plan.mesh.size != n_devices:
+        raise AssignmentError(
+            f"the plan needs {plan.mesh.size} devices (mesh {plan.mesh}) but {n_devices} "
+            f"were given; make the plan for {n_devices} devices or pass {plan.mesh.size}"
+        )
+    pg = plan.pgraph
+    for op_id in plan.trees:
+        if not pg.has(op_id):
+            raise PlanError(f"the plan transforms op {op_id}, which its graph does not have")
+    for op in pg.all_ops:
+        _check_tree(plan, op)
+    for group in plan.recompute:
+        for op_id in group:
+            if not pg.has(op_id):
+                raise PlanError(f"recompute names op {op_id}, which the graph does not have")
+    _check_coverage(plan)
+    _check_cycles(plan)
+    return plan
+
+
+def _check_tree(plan: Plan, op) -> None:
+    tree = plan.tree(op.id)
+    forward = op.kind in FORWARD_KINDS
+    touched = op.id in plan.trees
+    for path, node in _nodes(tree):
+        if node.algo == "split":
+            problem = _split_problem(op, tree, path, node.dim, len(node.children))
+            if problem:
+                raise SplitError(problem)
+    for path, leaf in tree.leaves():
+        sub = SubOp(op.id, path)
+        if leaf.device is None:
+            if forward or touched:
+                raise AssignmentError(
+                    f"sub-op {sub} of {op.where} is assigned to no device; give it one with "
+                    f"op_assign(plan, SubOp({op.id}, {path}), device)"
+                )
+        elif leaf.device not in plan.mesh.devices:
+            raise AssignmentError(
+                f"sub-op {sub} of {op.where} is assigned to device {leaf.device}, which the "
+                f"plan's mesh ({plan.mesh}, devices 0..{plan.mesh.size - 1}) does not have"
+            )
+
+
+def _nodes(node: Node, path=()):
+    yield path, node
+    for i, c in enumerate(node.children):
+        yield from _nodes(c, path + (i,))
+
+
+def _check_coverage(plan: Plan) -> None:
+    g = plan.pgraph.graph
+    consumed = {t for o in g.ops for t in o.tensor_inputs}
+    consumed |= {t for t in g.outputs if not isinstance(t, Literal)}
+    for op in g.ops:
+        pieces = op_pieces(plan, op)
+        for k, t in enumerate(op.outputs):
+            if t not in consumed:
+                continue
+            made = [p.outputs[k] for p in pieces if p.device is not None]
+            missing = uncovered(made, Mask.full(g.tensors[t].shape))
+            if missing:
+                raise CoverageError(
+                    f"output {k} of {op.where} is consumed, but its piece {missing[0]} "
+                    f"(shape {list(g.tensors[t].shape)}) is produced on no device: every "
+                    f"sub-op of the op must be assigned, and partial sums must be complete"
+                )
+
+
+def _check_cycles(plan: Plan) -> None:
+    """Kahn's algorithm over sub-ops: data edges from intersecting masks, plus op_order."""
+    g = plan.pgraph.graph
+    pieces = {o.id: op_pieces(plan, o) for o in g.ops}
+    producer = {t: o for o in g.ops for t in o.outputs}
+    succ: dict[SubOp, set[SubOp]] = {p.sub: set() for ps in pieces.values() for p in ps}
+    for o in g.ops:
+        for k, t in enumerate(o.inputs):
+            if isinstance(t, Literal) or t not in producer:
+                continue
+            src = producer[t]
+            idx = src.outputs.index(t)
+            for cp in pieces[o.id]:
+                for pp in pieces[src.id]:
+                    if cp.inputs[k] is not None and pp.outputs[idx].intersects(cp.inputs[k]):
+                        succ[pp.sub].add(cp.sub)
+    for a, b in plan.orders:
+        for sa in _leaves_under(plan, a):
+            for sb in _leaves_under(plan, b):
+                succ.setdefault(sa, set()).add(sb)
+                succ.setdefault(sb, set())
+    indeg = {s: 0 for s in succ}
+    for s in succ:
+        for t in succ[s]:
+            indeg[t] += 1
+    ready = [s for s, d in indeg.items() if d == 0]
+    seen = 0
+    while ready:
+        s = ready.pop()
+        seen += 1
+        for t in succ[s]:
+            indeg[t] -= 1
+            if indeg[t] == 0:
+                ready.append(t)
+    if seen == len(succ):
+        return
+    stuck = {s for s, d in indeg.items() if d > 0}
+    cycle = _find_cycle(succ, stuck)
+    names = " -> ".join(f"{plan.pgraph.op(s.op).path or '<root>'} (sub-op {s})" for s in cycle)
+    raise CycleError(
+        f"data dependencies and op_order constraints form a cycle: {names}. Remove or flip "
+        f"one of the op_order constraints on it."
+    )
+
+
+def _leaves_under(plan: Plan, s: SubOp):
+    node = plan.tree(s.op).at(s.path)
+    return [SubOp(s.op, s.path + p) for p, _ in node.leaves()]
+
+
+def _find_cycle(succ, stuck):
+    """A cycle among the stuck sub-ops: each has a stuck predecessor, so walk backwards."""
+    pred: dict = {s: [] for s in stuck}
+    for s in stuck:
+        for t in succ[s]:
+            if t in stuck:
+                pred[t].append(s)
+    node = min(stuck, key=lambda s: (s.op, s.path))
+    path, index = [node], {node: 0}
+    while True:
+        node = min(pred[node], key=lambda s: (s.op, s.path))
+        if node in index:
+            cycle = path[index[node] :] + [node]
+            return cycle[::-1]
+        index[node] = len(path)
+        path.append(node)

@@ -1,0 +1,8 @@
+"""Running plans: ``parallelize`` and the ``Trainer`` it returns.
+
+Imports ``jscaler.ir``, ``jscaler.plan`` and ``jscaler.compile``.
+"""
+
+from jscaler.runtime.parallelize import Space as Space
+from jscaler.runtime.parallelize import parallelize as parallelize
+from jscaler.runtime.trainer import Trainer as Trainer

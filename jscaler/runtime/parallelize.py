@@ -1,0 +1,131 @@
+"""``jscaler.parallelize``: model + loss + optimizer + example batch + plan -> Trainer.
+
+Every run goes trace -> Plan -> validate -> lower -> run; nothing bypasses the plan, and
+nothing runs before the plan has been validated for the devices given.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import optax
+
+from jscaler.compile.lower import lower
+from jscaler.errors import PlanError
+from jscaler.ir.graph import Graph
+from jscaler.ir.trace import trace
+from jscaler.plan.helpers import data_parallel
+from jscaler.plan.plan import Plan, graph_fingerprint
+from jscaler.plan.validate import validate
+from jscaler.runtime.trainer import Trainer
+
+__all__ = ["Space", "parallelize", "resolve_devices"]
+
+
+class Space(Protocol):
+    """A search space: given the traced graph and the device count, a concrete Plan."""
+
+    def __call__(self, graph: Graph, n_devices: int) -> Plan: ...
+
+
+def resolve_devices(devices) -> list:
+    """None: all devices; an int: the first N; a list: those devices."""
+    available = jax.devices()
+    if devices is None:
+        return list(available)
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if not 1 <= devices <= len(available):
+            raise PlanError(
+                f"devices={devices}, but {len(available)} devices exist "
+                f"({available[0].platform}); set XLA_FLAGS=--xla_force_host_platform_"
+                f"device_count=N for N simulated CPU devices"
+            )
+        return list(available[:devices])
+    devices = list(devices)
+    if not devices:
+        raise PlanError("devices is an empty list")
+    return devices
+
+
+def parallelize(
+    model: Any,
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    example_batch: Any,
+    *,
+    devices=None,
+    plan: Space | Plan | str = "dp",
+    microbatches: int = 1,
+) -> Trainer:
+    """Parallelises a training step over devices according to a plan.
+
+    Args:
+      model: an nnx Module (``loss_fn(model, batch)``; its Params are trained, its other
+        variables carried as its code updates them) or a params pytree
+        (``loss_fn(params, batch)``).
+      loss_fn: returns a scalar float loss.
+      optimizer: an optax GradientTransformation; its state is laid out like the
+        parameters' update layout.
+      example_batch: a batch of the global size the trainer will see (arrays or
+        ``jax.ShapeDtypeStruct``); each leaf is split on axis 0.
+      devices: None (all), an int (the first N of ``jax.devices()``), or a list.
+      plan: a space (``megatron(tp=4)`` from ``spaces``), a concrete :class:`Plan`, the
+        path of a plan's JSON, or ``"dp"`` (data parallelism, the default).
+      microbatches: gradient accumulation over this many micro-batches per step.
+
+    Returns:
+      A :class:`Trainer`; ``trainer.step(batch)`` returns ``{"loss", "grad_norm"}``.
+
+    Example::
+
+        from spaces import megatron
+        trainer = jscaler.parallelize(model, gpt.loss, optax.adamw(3e-4), batch,
+                                      devices=8, plan=megatron(tp=2, dp=4))
+        metrics = trainer.step(batch)
+    """
+    devices = resolve_devices(devices)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanError(f"microbatches must be a positive int, got {microbatches!r}")
+    leaves, tdef = jax.tree_util.tree_flatten(example_batch)
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    for i, s in enumerate(shapes):
+        if len(s.shape) == 0 or s.shape[0] % microbatches:
+            raise PlanError(
+                f"batch leaf {i} has shape {tuple(s.shape)}: its axis 0 must split into "
+                f"{microbatches} micro-batches; use a batch size divisible by {microbatches}"
+            )
+    micro = [
+        jax.ShapeDtypeStruct((s.shape[0] // microbatches, *s.shape[1:]), s.dtype) for s in shapes
+    ]
+    graph = trace(loss_fn, model, jax.tree_util.tree_unflatten(tdef, micro))
+    plan = resolve_plan(plan, graph, len(devices))
+    validate(plan, n_devices=len(devices))
+    lowered = lower(plan, devices)
+    return Trainer(graph, lowered, optimizer, model, microbatches, shapes)
+
+
+def resolve_plan(plan, graph: Graph, n_devices: int) -> Plan:
+    """A Plan from a space, a Plan, a JSON path or ``"dp"``."""
+    if isinstance(plan, Plan):
+        if plan.fingerprint != graph_fingerprint(graph):
+            return Plan.from_json(plan.to_json(), graph)  # raises the mismatch error
+        return plan
+    if isinstance(plan, str):
+        if plan == "dp":
+            return data_parallel(graph, n_devices)
+        if os.path.exists(plan):
+            with open(plan) as f:
+                return Plan.from_json(f.read(), graph)
+        raise PlanError(
+            f"plan={plan!r} is neither 'dp' nor a plan JSON file; pass a space such as "
+            f"spaces.megatron(tp=2) or a Plan"
+        )
+    if callable(plan):
+        made = plan(graph, n_devices)
+        if not isinstance(made, Plan):
+            raise PlanError(f"the space {plan!r} returned {type(made).__name__}, not a Plan")
+        return made
+    raise PlanError(f"plan must be a space, a Plan, a JSON path or 'dp'; got {plan!r}")

@@ -1,0 +1,114 @@
+"""Megatron-style tensor parallelism (x data parallelism), found from the graph.
+
+No layer names are assumed. Each weight op (a matmul or convolution reading a parameter)
+seeds a *dim class*: its output-feature axis, followed through the graph by the ops'
+annotations. Through attention that class is the heads; through an MLP, the hidden
+features; it ends where a later weight op sums it away. So the first weight op of a
+class is split column-wise, the one that closes it row-wise (partial sums, reduced once),
+and everything between by heads or features, as Megatron-LM does by hand. A weight op
+already inside a chosen class is not seeded again. The embedding table is split by
+vocabulary (partial-sum lookups). Ops that cannot split a class n ways get the whole
+tensor instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jscaler
+from jscaler.plan import DimClasses, MeshSpec, Plan, assign_mesh, batch_axes, split_classes
+
+WEIGHT_OPS = ("dot_general", "conv_general_dilated")
+
+
+def _param_source(graph: jscaler.Graph, t: int) -> int | None:
+    """The parameter a tensor is (through dtype conversions), or None."""
+    for _ in range(4):
+        tensor = graph.tensors[t]
+        if tensor.role == "param":
+            return t
+        op = graph.producer(t)
+        if op is None or op.primitive not in ("convert_element_type", "copy", "identity"):
+            return None
+        t = op.inputs[0]
+    return None
+
+
+def tp_seeds(graph: jscaler.Graph, classes: DimClasses) -> list[tuple[int, int]]:
+    """The tensor axes whose classes Megatron splits, in graph order."""
+    seeds, covered = [], set()
+    for op in graph.ops:
+        ann = op.annotation
+        if ann is None:
+            continue
+        if op.primitive == "gather" and any(ann.kinds[d] == "+" for d in ann.dims):
+            table = op.inputs[0]
+            if _param_source(graph, table) is not None:
+                seeds.append((table, 0))
+            continue
+        if op.primitive not in WEIGHT_OPS:
+            continue
+        if any(classes.dim_of(op, c) is not None for c in covered):
+            continue  # this weight op closes (or lies inside) an earlier class
+        for k, x in enumerate(op.tensor_inputs[:2]):
+            if _param_source(graph, x) is None or k == 0 and op.primitive != "dot_general":
+                continue
+            out_dims = {ax[0] for ax in ann.outputs[0]}
+            w_dims = ann.inputs[k]
+            axis = next(
+                (a for a, ax in enumerate(w_dims) if ax[0] in out_dims and ann.kinds[ax[0]] == ""),
+                None,
+            )
+            if axis is not None:
+                seeds.append((x, axis))
+                covered.add(classes.of(x, axis))
+                break
+    return seeds
+
+
+@dataclass(frozen=True)
+class Megatron:
+    tp: int = 1
+    dp: int | None = None
+    pp: int = 1
+    sp: bool = False
+
+    def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
+        if self.pp != 1:
+            raise jscaler.PlanError(
+                f"megatron(pp={self.pp}): pipeline stages are not supported yet; use pp=1"
+            )
+        if self.sp:
+            raise jscaler.PlanError("megatron(sp=True): sequence parallelism is not supported yet")
+        dp = _infer_dp(n_devices, self.tp, self.pp, self.dp, "megatron")
+        mesh = MeshSpec.create(dp=dp, tp=self.tp)
+        plan = Plan.create(graph, mesh, name=f"megatron(tp={self.tp}, dp={dp})")
+        classes = DimClasses(plan.pgraph.graph)
+        plan = split_classes(plan, batch_axes(graph), dp, classes=classes)
+        plan = split_classes(plan, tp_seeds(graph, classes), self.tp, classes=classes)
+        return assign_mesh(plan, ["dp", "tp"])
+
+
+def _infer_dp(n_devices: int, tp: int, pp: int, dp: int | None, space: str) -> int:
+    for name, v in (("tp", tp), ("pp", pp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise jscaler.PlanError(f"{space}: {name} must be a positive int, got {v!r}")
+    if dp is None:
+        if n_devices % (tp * pp):
+            raise jscaler.PlanError(
+                f"{space}(tp={tp}, pp={pp}) needs a device count divisible by tp*pp={tp * pp}; "
+                f"got {n_devices} devices"
+            )
+        return n_devices // (tp * pp)
+    if dp * tp * pp != n_devices:
+        raise jscaler.PlanError(
+            f"{space}(tp={tp}, pp={pp}, dp={dp}) uses dp*tp*pp={dp * tp * pp} devices; "
+            f"{n_devices} were given. Leave dp out to infer it."
+        )
+    return dp
+
+
+def megatron(tp: int = 1, dp: int | None = None, pp: int = 1, sp: bool = False) -> Megatron:
+    """Megatron tensor parallelism of degree ``tp`` times data parallelism ``dp``
+    (inferred as devices / (tp * pp) when not given)."""
+    return Megatron(tp, dp, pp, sp)

@@ -1,0 +1,93 @@
+"""ZeRO (stages 1-3) as layouts of the data-parallel step.
+
+Each parameter is split on its largest dim divisible by the dp degree (parameters with
+none stay replicated). Stage 1 splits the optimizer update (so the optimizer state);
+stage 2 also the gradients (reduce-scattered instead of all-reduced); stage 3 also the
+stored parameters, decoupled from their consumers by an identity (all-gathered for use,
+gradients reduce-scattered back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jscaler
+from jscaler.plan import (
+    DimClasses,
+    MeshSpec,
+    Plan,
+    assign_mesh,
+    batch_axes,
+    decouple,
+    op_trans,
+    split,
+    split_classes,
+)
+
+
+def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
+    """The largest dim divisible by n (the first of equals), or None."""
+    best = None
+    for a, size in enumerate(shape):
+        if size % n == 0 and size >= n and (best is None or size > shape[best]):
+            best = a
+    return best
+
+
+@dataclass(frozen=True)
+class Zero:
+    stage: int = 1
+    dp: int | None = None
+
+    def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
+        if self.stage not in (1, 2, 3):
+            raise jscaler.PlanError(f"zero(stage={self.stage!r}): stage must be 1, 2 or 3")
+        dp = self.dp or n_devices
+        if dp != n_devices:
+            raise jscaler.PlanError(f"zero(dp={dp}) needs {dp} devices; {n_devices} were given")
+        plan = Plan.create(graph, MeshSpec.create(dp=dp), name=f"zero(stage={self.stage}, dp={dp})")
+        return shard_params(plan, graph, self.stage, "dp", forward=True)
+
+
+def shard_params(plan: Plan, graph: jscaler.Graph, stage: int, axis: str, *, forward: bool) -> Plan:
+    """Applies ZeRO's parameter/gradient/optimizer splits over mesh axis ``axis``.
+
+    With ``forward``, also splits the forward ops by batch over the same axis and assigns
+    everything (a pure ZeRO-DP plan).
+    """
+    n = plan.mesh.shape[axis]
+    pg = plan.pgraph
+    dims = {p.id: shard_dim(p.shape, n) for p in graph.params()}
+    if stage >= 3:
+        for t, d in dims.items():
+            if d is not None:
+                plan, _ = op_trans(plan, t, decouple())
+    pg = plan.pgraph
+    virtual = []
+    for t, d in dims.items():
+        if d is None:
+            continue
+        letter = chr(ord("a") + d)
+        ops = [pg.op(pg.update_ops[_index(pg, t)].id)]
+        if stage >= 2:
+            ops.append(pg.op(pg.grad_ops[_index(pg, t)].id))
+        if stage >= 3:
+            ops.append(pg.op(pg.identity_of[t]))
+        for op in ops:
+            plan, _ = op_trans(plan, op.id, split(letter), n)
+            virtual.append(op)
+    if forward:
+        identities = set(pg.identity_of.values())
+        rest = [o for o in pg.graph.ops if o.id not in identities]
+        plan = split_classes(plan, batch_axes(graph), n, ops=rest, classes=DimClasses(pg.graph))
+        plan = assign_mesh(plan, [axis], ops=rest)
+    return assign_mesh(plan, [axis], ops=virtual)
+
+
+def _index(pg, t: int) -> int:
+    return next(i for i, o in enumerate(pg.update_ops) if o.inputs[0] == t)
+
+
+def zero(stage: int = 1, dp: int | None = None) -> Zero:
+    """ZeRO stage 1, 2 or 3 over ``dp`` devices (default: all)."""
+    return Zero(stage, dp)

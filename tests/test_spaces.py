@@ -1,0 +1,119 @@
+"""The first spaces on the three model kinds: parity with one device, and the layouts.
+
+Parity: SGD, 3 steps; loss, gradients and updated params per leaf within
+|a-b| <= 1e-5*|b| + 1e-7*max|b| (fp32).
+"""
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jscaler
+import models
+from spaces import dp, megatron, zero
+
+from parity import assert_parity, leaves
+
+MODELS = ["gpt-tiny", "convnet-tiny", "mlp-tiny"]
+SPACES = {
+    "dp": dp(),
+    "megatron(tp=2)": megatron(tp=2),
+    "megatron(tp=4)": megatron(tp=4),
+    "megatron(tp=8)": megatron(tp=8),
+    "megatron(tp=2, dp=4)": megatron(tp=2, dp=4),
+    "zero(1)": zero(1),
+    "zero(2)": zero(2),
+    "zero(3)": zero(3),
+}
+SLOW = {("gpt-tiny", "megatron(tp=8)"), ("gpt-tiny", "zero(2)"), ("convnet-tiny", "zero(2)")}
+
+
+@pytest.mark.parametrize(
+    "model, space",
+    [
+        pytest.param(m, s, marks=pytest.mark.slow) if (m, s) in SLOW else (m, s)
+        for m in MODELS
+        for s in SPACES
+    ],
+)
+def test_space_matches_one_device(model, space):
+    assert_parity(model, SPACES[space])
+
+
+def specs_by_name(trainer):
+    names = [t.name for t in trainer.graph.params()]
+    return dict(zip(names, (s.spec for s in leaves(trainer.shardings()))))
+
+
+def test_megatron_tp4_splits_mlp_weights_and_attention_four_ways():
+    spec = models.get("gpt-tiny")
+    model = spec.init(0)
+    trainer = jscaler.parallelize(
+        model,
+        spec.loss,
+        __import__("optax").sgd(0.1),
+        spec.batch(8, 0),
+        devices=8,
+        plan=megatron(tp=4),
+    )
+    s = specs_by_name(trainer)
+    for i in range(4):
+        assert s[f"blocks/{i}/mlp/gate_proj/kernel"] == P(None, "tp")  # column
+        assert s[f"blocks/{i}/mlp/up_proj/kernel"] == P(None, "tp")
+        assert s[f"blocks/{i}/mlp/down_proj/kernel"] == P("tp")  # row
+        for n in "qkv":
+            assert s[f"blocks/{i}/attn/{n}_proj/kernel"] == P(None, "tp")
+        assert s[f"blocks/{i}/attn/o_proj/kernel"] == P("tp")
+        assert s[f"blocks/{i}/norm1/scale"] == P()
+    assert s["embed/embedding"] == P("tp")  # vocabulary-parallel
+    text = trainer.plan.explain()
+    assert "blocks/0/attn/q_proj" in text and "partial" in text
+
+
+def test_zero3_splits_every_param_with_a_dim_divisible_by_8():
+    spec = models.get("gpt-tiny")
+    trainer = jscaler.parallelize(
+        spec.init(0),
+        spec.loss,
+        __import__("optax").sgd(0.1),
+        spec.batch(8, 0),
+        devices=8,
+        plan=zero(3),
+    )
+    for t, sharding in zip(trainer.graph.params(), leaves(trainer.shardings())):
+        if any(d % 8 == 0 for d in t.shape):
+            assert "dp" in str(sharding.spec), t.name
+            dim = max(range(len(t.shape)), key=lambda a: (t.shape[a] % 8 == 0, t.shape[a]))
+            assert sharding.spec[dim] == "dp", (t.name, sharding.spec)
+        else:
+            assert sharding.spec == P(), t.name
+
+
+def test_degrees_that_do_not_divide_the_devices_are_errors():
+    spec = models.get("mlp-tiny")
+    with pytest.raises(jscaler.PlanError, match="divisible by tp"):
+        jscaler.parallelize(
+            spec.init(0),
+            spec.loss,
+            __import__("optax").sgd(0.1),
+            spec.batch(16, 0),
+            devices=8,
+            plan=megatron(tp=3),
+        )
+    with pytest.raises(jscaler.PlanError, match="uses dp\\*tp\\*pp=4 devices"):
+        jscaler.parallelize(
+            spec.init(0),
+            spec.loss,
+            __import__("optax").sgd(0.1),
+            spec.batch(16, 0),
+            devices=8,
+            plan=megatron(tp=2, dp=2),
+        )
+    with pytest.raises(jscaler.PlanError, match="pipeline stages are not supported yet"):
+        jscaler.parallelize(
+            spec.init(0),
+            spec.loss,
+            __import__("optax").sgd(0.1),
+            spec.batch(16, 0),
+            devices=8,
+            plan=megatron(tp=2, pp=2),
+        )
