@@ -84,7 +84,7 @@ class Megatron:
         mesh = MeshSpec.create(dp=dp, tp=self.tp)
         plan = Plan.create(graph, mesh, name=f"megatron(tp={self.tp}, dp={dp})")
         classes = DimClasses(plan.pgraph.graph)
-        plan = split_classes(plan, batch_axes(graph), dp, classes=classes)
+        plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
         plan = split_classes(plan, tp_seeds(graph, classes), self.tp, classes=classes)
         return assign_mesh(plan, ["dp", "tp"])
 

@@ -18,13 +18,25 @@ from jscaler.plan.primitives import _split_problem, op_assign, op_trans, replica
 __all__ = ["assign_mesh", "batch_axes", "data_parallel", "split_classes"]
 
 
-def batch_axes(graph: Graph) -> list[tuple[int, int]]:
-    """(tensor, 0) for every batch leaf of rank >= 1: the seeds of data parallelism."""
-    return [
+def batch_axes(graph: Graph, n: int | None = None) -> list[tuple[int, int]]:
+    """(tensor, 0) for every batch leaf of rank >= 1: the seeds of data parallelism.
+
+    With ``n``, every such leaf must split n ways; otherwise a PlanError says which.
+    """
+    seeds = [
         (t, 0)
         for t in graph.inputs
         if graph.tensors[t].role == "batch" and len(graph.tensors[t].shape) >= 1
     ]
+    for t, _ in seeds if n else ():
+        rows = graph.tensors[t].shape[0]
+        if rows % n:
+            raise PlanError(
+                f"batch leaf {graph.tensors[t].name!r} has {rows} rows (per micro-batch), "
+                f"which data parallelism of degree {n} cannot split; use a batch size whose "
+                f"micro-batches divide by {n}"
+            )
+    return seeds
 
 
 def split_classes(
@@ -88,5 +100,5 @@ def data_parallel(graph: Graph, n_devices: int) -> Plan:
     """
     mesh = MeshSpec.create(dp=n_devices)
     plan = Plan.create(graph, mesh, name=f"dp(dp={n_devices})")
-    plan = split_classes(plan, batch_axes(graph), n_devices)
+    plan = split_classes(plan, batch_axes(graph, n_devices), n_devices)
     return assign_mesh(plan, ["dp"])

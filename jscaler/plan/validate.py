@@ -1,9 +1,10 @@
 """``jscaler.validate(plan)``: a plan is checked whole before anything is lowered or run.
 
-Checks, in order: every split names a splittable dim and divides it; every sub-op of a
-forward op is assigned to a device of the mesh; every consumed piece of every tensor is
-produced somewhere (partial sums complete); and data dependencies (piece masks that
-intersect) together with op_order constraints form no cycle.
+Checks, in order: every split names a splittable dim and divides it; every assigned
+device exists; every consumed piece of every tensor is produced on some device (partial
+sums complete; an unassigned sub-op leaves its piece missing); every other sub-op is
+assigned too; and data dependencies (piece masks that intersect) together with op_order
+constraints form no cycle.
 """
 
 from __future__ import annotations
@@ -36,37 +37,44 @@ def validate(plan: Plan, *, n_devices: int | None = None) -> Plan:
         if not pg.has(op_id):
             raise PlanError(f"the plan transforms op {op_id}, which its graph does not have")
     for op in pg.all_ops:
-        _check_tree(plan, op)
+        _check_splits_and_devices(plan, op)
+    _check_coverage(plan)
+    for op in pg.all_ops:
+        _check_assigned(plan, op)
     for group in plan.recompute:
         for op_id in group:
             if not pg.has(op_id):
                 raise PlanError(f"recompute names op {op_id}, which the graph does not have")
-    _check_coverage(plan)
     _check_cycles(plan)
     return plan
 
 
-def _check_tree(plan: Plan, op) -> None:
+def _check_splits_and_devices(plan: Plan, op) -> None:
     tree = plan.tree(op.id)
-    forward = op.kind in FORWARD_KINDS
-    touched = op.id in plan.trees
     for path, node in _nodes(tree):
         if node.algo == "split":
             problem = _split_problem(op, tree, path, node.dim, len(node.children))
             if problem:
                 raise SplitError(problem)
     for path, leaf in tree.leaves():
-        sub = SubOp(op.id, path)
-        if leaf.device is None:
-            if forward or touched:
-                raise AssignmentError(
-                    f"sub-op {sub} of {op.where} is assigned to no device; give it one with "
-                    f"op_assign(plan, SubOp({op.id}, {path}), device)"
-                )
-        elif leaf.device not in plan.mesh.devices:
+        if leaf.device is not None and leaf.device not in plan.mesh.devices:
             raise AssignmentError(
-                f"sub-op {sub} of {op.where} is assigned to device {leaf.device}, which the "
-                f"plan's mesh ({plan.mesh}, devices 0..{plan.mesh.size - 1}) does not have"
+                f"sub-op {SubOp(op.id, path)} of {op.where} is assigned to device "
+                f"{leaf.device}, which the plan's mesh ({plan.mesh}, devices "
+                f"0..{plan.mesh.size - 1}) does not have"
+            )
+
+
+def _check_assigned(plan: Plan, op) -> None:
+    """Sub-ops whose outputs nobody consumes must still run somewhere (or be untouched
+    grad/update ops, which follow their parameter)."""
+    if op.kind not in FORWARD_KINDS and op.id not in plan.trees:
+        return
+    for path, leaf in plan.tree(op.id).leaves():
+        if leaf.device is None:
+            raise AssignmentError(
+                f"sub-op {SubOp(op.id, path)} of {op.where} is assigned to no device; give "
+                f"it one with op_assign(plan, SubOp({op.id}, {path}), device)"
             )
 
 
@@ -88,10 +96,15 @@ def _check_coverage(plan: Plan) -> None:
             made = [p.outputs[k] for p in pieces if p.device is not None]
             missing = uncovered(made, Mask.full(g.tensors[t].shape))
             if missing:
+                unassigned = [str(p.sub) for p in pieces if p.device is None]
                 raise CoverageError(
                     f"output {k} of {op.where} is consumed, but its piece {missing[0]} "
-                    f"(shape {list(g.tensors[t].shape)}) is produced on no device: every "
-                    f"sub-op of the op must be assigned, and partial sums must be complete"
+                    f"(of shape {list(g.tensors[t].shape)}) is produced on no device"
+                    + (
+                        f": sub-ops {unassigned} are assigned to no device; op_assign them"
+                        if unassigned
+                        else ""
+                    )
                 )
 
 

@@ -27,37 +27,35 @@ RTOL = 1e-5
 ATOL = {"loss": 0.0, "grad": 1e-5, "param": 1e-6}  # times max|b| of the leaf
 
 
-def _params_of(model_or_params):
-    if isinstance(model_or_params, nnx.Module):
-        return nnx.split(model_or_params, nnx.Param, ...)[1]
-    return model_or_params
-
-
 def reference_steps(model_or_params, loss_fn, optimizer, batches, device=None):
-    """Per step on one device: (loss, grads, params after the update)."""
+    """Per step on one device: (loss, grads, params after the update).
+
+    An nnx model is differentiated with ``nnx.value_and_grad`` (the gradient of its
+    Params), so its other variables (batch statistics, RNG counters) update in place as
+    its code says; a params pytree with ``jax.value_and_grad``. The caller's model is
+    not touched: a clone is trained.
+    """
     device = device or jax.devices()[0]
     out = []
     with jax.default_device(device):
         if isinstance(model_or_params, nnx.Module):
-            graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
-            params = jax.device_put(params, device)
-
-            def loss_of(p, r, b):
-                m = nnx.merge(graphdef, p, r)
-                loss = loss_fn(m, b)
-                return loss, nnx.split(m, nnx.Param, ...)[2]
-
-            vg = jax.jit(jax.value_and_grad(loss_of, has_aux=True))
-        else:
-            params, rest = jax.device_put(model_or_params, device), None
-
-            def loss_of(p, r, b):
-                return loss_fn(p, b), r
-
-            vg = jax.jit(jax.value_and_grad(loss_of, has_aux=True))
+            model = nnx.clone(model_or_params)
+            vg = nnx.jit(nnx.value_and_grad(loss_fn))
+            params = nnx.state(model, nnx.Param)
+            opt_state = optimizer.init(params)
+            for batch in batches:
+                loss, grads = vg(model, jax.device_put(batch, device))
+                params = nnx.state(model, nnx.Param)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                params = optax.apply_updates(params, updates)
+                nnx.update(model, params)
+                out.append((float(loss), jax.device_get(grads), jax.device_get(params)))
+            return out
+        params = jax.device_put(model_or_params, device)
+        vg = jax.jit(jax.value_and_grad(loss_fn))
         opt_state = optimizer.init(params)
         for batch in batches:
-            (loss, rest), grads = vg(params, rest, jax.device_put(batch, device))
+            loss, grads = vg(params, jax.device_put(batch, device))
             updates, opt_state = optimizer.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             out.append((float(loss), jax.device_get(grads), jax.device_get(params)))
