@@ -7,22 +7,38 @@ The only engine module that may import ``models/`` (and later ``spaces/``,
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 
 __all__ = ["main"]
 
 
+def _add_devices(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="number of devices (default: all; without an accelerator, that many simulated "
+        "CPU devices, 8 if not given)",
+    )
+
+
+def _add_plan(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument(
+        "--plan",
+        default=default,
+        required=default is None,
+        help='a space call with literal arguments, e.g. "megatron(tp=2, dp=4)" or '
+        '"zero(stage=3)"; a bare name means its defaults; or the path of a plan JSON'
+        + (f" (default: {default})" if default else ""),
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jscaler",
         description="Parallelise single-device Flax training with searched plans.",
-    )
-    p.add_argument(
-        "--devices",
-        type=int,
-        default=8,
-        help="number of simulated CPU devices when no accelerator is present (default 8)",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -40,8 +56,81 @@ def _parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("--summary", action="store_true", help="print only the summary lines")
     ins.add_argument("--json", action="store_true", help="print the graph as JSON")
+    _add_devices(ins)
     ins.set_defaults(run=_inspect)
+
+    tr = sub.add_parser(
+        "train",
+        help="train a reference model under a plan, with a progress bar and the loss",
+        description="Train a reference model on its synthetic data under a plan (Adam).",
+    )
+    tr.add_argument("--model", required=True, help="a reference model, e.g. gpt-tiny")
+    _add_plan(tr, "dp")
+    _add_devices(tr)
+    tr.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    tr.add_argument("--batch-size", type=int, default=None, help="global batch size")
+    tr.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps")
+    tr.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
+    tr.add_argument("--explain", action="store_true", help="print the plan's table first")
+    tr.set_defaults(run=_train)
+
+    ve = sub.add_parser(
+        "verify",
+        help="check a plan against single-device training (exit 0 match, 1 mismatch, 2 error)",
+        description="Run a plan and the single-device reference (the model's own loss under "
+        "jax.value_and_grad, SGD) for a few steps and compare loss, gradients and updated "
+        "parameters leaf by leaf. Exit status: 0 match, 1 mismatch, 2 error.",
+    )
+    ve.add_argument("--model", required=True, help="a reference model, e.g. gpt-tiny")
+    _add_plan(ve, None)
+    _add_devices(ve)
+    ve.add_argument("--steps", type=int, default=3, help="steps to compare (default 3)")
+    ve.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps")
+    ve.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    ve.add_argument(
+        "--tol-scale",
+        type=float,
+        default=1.0,
+        help="multiply the fp32 tolerances (rtol 1e-5; atol 1e-5*max|g| for gradients, "
+        "1e-6*max|p| for parameters) by this; 0 asks for bit-identical results",
+    )
+    ve.set_defaults(run=_verify)
     return p
+
+
+def parse_plan(expr: str):
+    """A space from ``"megatron(tp=2, dp=4)"`` (literal arguments only), a bare space
+    name, or a plan JSON path (returned as the path)."""
+    import os
+
+    from jscaler.errors import PlanError
+    from spaces import SPACES
+
+    if os.path.exists(expr):
+        return expr
+    try:
+        node = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise PlanError(f"--plan {expr!r} is not an expression: {e.msg}") from None
+    name = (
+        node.id if isinstance(node, ast.Name) else getattr(getattr(node, "func", None), "id", None)
+    )
+    if not isinstance(node, ast.Name | ast.Call) or name not in SPACES:
+        raise PlanError(
+            f"--plan {expr!r}: expected a call of one of {sorted(SPACES)} such as "
+            f'"megatron(tp=2)", or a plan JSON path'
+        )
+    if isinstance(node, ast.Name):
+        return SPACES[name]()
+    try:
+        args = [ast.literal_eval(a) for a in node.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except ValueError:
+        raise PlanError(f"--plan {expr!r}: arguments must be literals") from None
+    try:
+        return SPACES[name](*args, **kwargs)
+    except TypeError as e:
+        raise PlanError(f"--plan {expr!r}: {e}") from None
 
 
 def _inspect(args) -> int:
@@ -85,11 +174,86 @@ def _abstract_model(spec):
     return jax.eval_shape(lambda: spec.init(0))
 
 
+def _setup_trainer(args, optimizer):
+    import jscaler
+    import models
+
+    spec = models.get(args.model)
+    batch_size = getattr(args, "batch_size", None) or spec.batch_size
+    model = spec.init(0)
+    plan = parse_plan(args.plan)
+    trainer = jscaler.parallelize(
+        model,
+        spec.loss,
+        optimizer,
+        spec.batch(batch_size, 0),
+        devices=args.devices,
+        plan=plan,
+        microbatches=args.microbatches,
+    )
+    return spec, model, trainer, batch_size
+
+
+def _train(args) -> int:
+    import time
+
+    import optax
+    from tqdm import tqdm
+
+    spec, _, trainer, batch_size = _setup_trainer(args, optax.adam(args.lr))
+    print(f"{spec.name}: {spec.description}")
+    print(f"plan {trainer.plan.name} on {trainer.plan.mesh.size} devices ({trainer.plan.mesh})")
+    if args.explain:
+        print(trainer.plan.explain())
+    first = last = None
+    start = time.perf_counter()
+    with tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True) as bar:
+        for step in bar:
+            metrics = trainer.step(spec.batch(batch_size, step))
+            first = metrics["loss"] if first is None else first
+            last = metrics["loss"]
+            bar.set_postfix(loss=f"{last:.4f}", grad_norm=f"{metrics['grad_norm']:.3f}")
+    took = time.perf_counter() - start
+    print(
+        f"loss {first:.4f} -> {last:.4f} in {args.steps} steps ({took:.1f} s, "
+        f"including compilation)"
+    )
+    return 0
+
+
+def _verify(args) -> int:
+    import optax
+
+    from jscaler.runtime.reference import ATOL, RTOL, compare, reference_steps, trainer_steps
+
+    spec, model, trainer, batch_size = _setup_trainer(args, optax.sgd(args.lr))
+    batches = [spec.batch(batch_size, s) for s in range(args.steps)]
+    print(
+        f"verify {spec.name} under {trainer.plan.name} on {trainer.plan.mesh.size} devices "
+        f"against one device: SGD(lr={args.lr}), {args.steps} steps"
+    )
+    want = reference_steps(model, spec.loss, optax.sgd(args.lr), batches)
+    got = trainer_steps(trainer, batches)
+    k = args.tol_scale
+    mm = compare(got, want, rtol=RTOL * k, atol={kind: a * k for kind, a in ATOL.items()})
+    for step, (g, w) in enumerate(zip(got, want)):
+        print(f"  step {step}: loss {g[0]:.7f}  reference {w[0]:.7f}")
+    for kind, err in mm.max_err.items():
+        print(f"  max |diff| {kind}: {err:.3g}")
+    if mm.ok:
+        print("MATCH: loss, gradients and updated parameters agree within tolerance")
+        return 0
+    print("MISMATCH:")
+    for line in mm.lines[:20]:
+        print("  " + line)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from jscaler._setup import enable_compilation_cache, use_cpu_devices
 
-    use_cpu_devices(args.devices)
+    use_cpu_devices(args.devices or 8)
     enable_compilation_cache()
     from jscaler.errors import JscalerError
 

@@ -51,3 +51,46 @@ def test_unknown_model_is_a_clear_error():
     proc = run("inspect", "--model", "gpt-huge", check=False)
     assert proc.returncode == 2
     assert "unknown model 'gpt-huge'" in proc.stderr and "gpt-tiny" in proc.stderr
+
+
+def test_train_shows_progress_and_the_loss_falling():
+    proc = run(
+        "train",
+        "--model",
+        "gpt-tiny",
+        "--devices",
+        "8",
+        "--plan",
+        "megatron(tp=2, dp=4)",
+        "--steps",
+        "20",
+    )
+    assert "plan megatron(tp=2, dp=4) on 8 devices (dp=4 x tp=2)" in proc.stdout
+    assert "20/20" in proc.stderr  # the progress bar
+    first, last = (float(x) for x in proc.stdout.split("loss ")[-1].split(" in ")[0].split(" -> "))
+    assert last < 0.8 * first
+
+
+def test_verify_exit_codes():
+    ok = run("verify", "--model", "mlp-tiny", "--plan", "megatron(tp=2, dp=4)", "--devices", "8")
+    assert "MATCH" in ok.stdout and "max |diff| grad" in ok.stdout
+    bad = run(
+        "verify", "--model", "mlp-tiny", "--plan", "zero(stage=3)", "--tol-scale", "0", check=False
+    )
+    assert bad.returncode == 1 and "MISMATCH" in bad.stdout
+    err = run("verify", "--model", "mlp-tiny", "--plan", "megatron(tp=3)", check=False)
+    assert err.returncode == 2 and "divisible by tp*pp=3" in err.stderr
+    err = run("verify", "--model", "mlp-tiny", "--plan", "__import__('os')", check=False)
+    assert err.returncode == 2 and "expected a call of one of" in err.stderr
+
+
+def test_plan_expressions_are_parsed_safely():
+    from jscaler.cli import parse_plan
+    from spaces import megatron, zero
+
+    assert parse_plan("megatron(tp=2, dp=4)") == megatron(tp=2, dp=4)
+    assert parse_plan("zero") == zero()
+    assert parse_plan(" zero(3) ") == zero(3)
+    for bad in ("megatron(tp=x)", "megatron(tp=2)()", "lambda: 0", "megatron(tp=2"):
+        with pytest.raises(__import__("jscaler").PlanError):
+            parse_plan(bad)
