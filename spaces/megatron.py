@@ -85,8 +85,28 @@ class Megatron:
         plan = Plan.create(graph, mesh, name=f"megatron(tp={self.tp}, dp={dp})")
         classes = DimClasses(plan.pgraph.graph)
         plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
-        plan = split_classes(plan, tp_seeds(graph, classes), self.tp, classes=classes)
+        seeds = tp_seeds(graph, classes)
+        if not seeds and self.tp > 1:
+            raise jscaler.PlanError(
+                f"megatron(tp={self.tp}): the graph has no weight op (a matmul or convolution "
+                f"reading a parameter) or embedding lookup to split; use dp() or zero()"
+            )
+        _check_seeds(graph, seeds, self.tp)
+        plan = split_classes(plan, seeds, self.tp, classes=classes)
         return assign_mesh(plan, ["dp", "tp"])
+
+
+def _check_seeds(graph: jscaler.Graph, seeds, tp: int) -> None:
+    """Every seeded weight must split tp ways, or the space does not apply: name it."""
+    for t, axis in seeds:
+        size = graph.tensors[t].shape[axis]
+        if size % tp:
+            user = next(o for o in graph.ops if t in o.tensor_inputs)
+            raise jscaler.PlanError(
+                f"megatron(tp={tp}) cannot split {user.where}: its weight "
+                f"{graph.tensors[t].name!r} has {size} features along axis {axis}, which "
+                f"{tp} does not divide. Choose tp among the divisors of {size}."
+            )
 
 
 def _infer_dp(n_devices: int, tp: int, pp: int, dp: int | None, space: str) -> int:

@@ -18,6 +18,7 @@ from jscaler import (
     replicate,
     split,
 )
+from jscaler.plan import assign_mesh, split_classes
 
 from parity import assert_parity, leaves
 
@@ -199,4 +200,42 @@ def test_unknown_device_and_wrong_device_count():
             spec.batch(16, 0),
             devices=4,
             plan=hand_dp(g),
+        )
+
+
+def test_partial_sums_reduce_as_the_plan_says():
+    """A row-split matmul's partial sums: all-reduced when the consumer wants the whole
+    tensor, reduce-scattered when the consumer is split along another axis."""
+    spec = models.get("mlp-tiny")
+    g = traced("mlp-tiny")
+    params = {t.name: t.id for t in g.params()}
+    row = next(o for o in g.ops if params["layers/1/w"] in o.tensor_inputs)
+    first, after = g.ops[: g.ops.index(row) + 1], g.ops[g.ops.index(row) + 1 :]
+    texts = {}
+    for consumer in ("whole", "split"):
+        plan = Plan.create(g, MeshSpec.create(tp=4))
+        plan = split_classes(plan, [(params["layers/0/w"], 1)], 4, ops=first)
+        seeds = [batch_axis(g)] if consumer == "split" else []
+        plan = split_classes(plan, seeds, 4, ops=after)
+        plan = assign_mesh(plan, ["tp"])
+        trainer = assert_parity("mlp-tiny", jscaler.validate(plan), devices=4)
+        texts[consumer] = trainer.hlo(spec.batch(16, 0))
+    assert "reduce-scatter" in texts["split"]
+    assert "reduce-scatter" not in texts["whole"] and "all-reduce" in texts["whole"]
+
+
+def test_megatron_names_the_op_it_cannot_split():
+    import jax.numpy as jnp
+    import optax
+
+    from spaces import megatron
+
+    params = {"w0": jnp.ones((32, 12)), "w1": jnp.ones((12, 4))}
+
+    def loss(p, b):
+        return jnp.mean(jnp.tanh(b @ p["w0"]) @ p["w1"])
+
+    with pytest.raises(jscaler.PlanError, match=r"cannot split .*'w0' has 12 features"):
+        jscaler.parallelize(
+            params, loss, optax.sgd(0.1), jnp.ones((8, 32)), devices=8, plan=megatron(tp=8, dp=1)
         )

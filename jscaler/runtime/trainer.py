@@ -172,6 +172,15 @@ class Trainer:
                 )
         return _place(leaves, self._b_shard)
 
+    def hlo(self, batch) -> str:
+        """The compiled HLO text of the training step for this batch (to read the
+        collectives XLA emitted)."""
+        if self._step_fn is None:
+            self._step_fn = self._build_step()
+        b = self._put_batch(batch)
+        lowered = self._step_fn.lower(self._params, self._opt_state, self._state, b)
+        return lowered.compile().as_text()
+
     def step(self, batch) -> dict[str, float]:
         """One training step: ``{"loss", "grad_norm"}`` (loss before the update)."""
         if self._step_fn is None:
