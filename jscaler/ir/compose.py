@@ -15,34 +15,26 @@ from collections.abc import Sequence
 from jscaler.ir.annotation import Annotation
 from jscaler.ir.graph import Graph, Literal
 from jscaler.ir.registry import Namer
+from jscaler.ir.unionfind import UnionFind
 
 __all__ = ["compose"]
 
 
-class _Classes:
+class _Classes(UnionFind):
+    """Union-find whose classes can be blocked (not splittable); joins keep the block."""
+
     def __init__(self):
-        self.parent: dict = {}
+        super().__init__()
         self.blocked: set = set()
 
-    def find(self, x):
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
     def union(self, a, b):
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[rb] = ra
-            if rb in self.blocked:
-                self.blocked.add(ra)
+        keep, gone = super().union(a, b)
+        if gone in self.blocked:
+            self.blocked.add(keep)
+        return keep, gone
 
     def block(self, x):
         self.blocked.add(self.find(x))
-
-    def is_blocked(self, x) -> bool:
-        return self.find(x) in self.blocked
 
 
 def compose(

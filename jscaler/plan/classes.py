@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from jscaler.ir.graph import Graph, Literal, Op
+from jscaler.ir.unionfind import UnionFind
 
 __all__ = ["DimClasses"]
 
@@ -22,7 +23,7 @@ class DimClasses:
 
     def __init__(self, graph: Graph):
         self.graph = graph
-        self._parent: dict[tuple[int, int], tuple[int, int]] = {}
+        self._uf = UnionFind()
         self._op_dims: list[tuple[Op, str, tuple[int, int]]] = []
         self._by_op: dict[int, list[tuple[str, tuple[int, int]]]] = {}
         for op in graph.ops:
@@ -38,38 +39,26 @@ class DimClasses:
                         leading.setdefault(ax[0], []).append((tid, axis))
             for d, nodes in leading.items():
                 for n in nodes[1:]:
-                    self._union(nodes[0], n)
+                    self._uf.union(nodes[0], n)
                 self._op_dims.append((op, d, nodes[0]))
                 self._by_op.setdefault(op.id, []).append((d, nodes[0]))
 
-    def _find(self, x):
-        self._parent.setdefault(x, x)
-        while self._parent[x] != x:
-            self._parent[x] = self._parent[self._parent[x]]
-            x = self._parent[x]
-        return x
-
-    def _union(self, a, b):
-        ra, rb = self._find(a), self._find(b)
-        if ra != rb:
-            self._parent[max(ra, rb)] = min(ra, rb)
-
     def of(self, tensor: int, axis: int) -> tuple[int, int]:
         """The class of a tensor axis (an opaque, comparable key)."""
-        return self._find((tensor, axis))
+        return self._uf.find((tensor, axis))
 
     def op_dims(self, cls) -> Iterator[tuple[Op, str]]:
         """``(op, dim name)`` for every op with a dim in the class, in graph order."""
         for op, d, node in self._op_dims:
-            if self._find(node) == cls:
+            if self._uf.find(node) == cls:
                 yield op, d
 
     def dim_of(self, op: Op, cls) -> str | None:
         """The op's dim in the class, if it has one."""
         for d, node in self._by_op.get(op.id, ()):
-            if self._find(node) == cls:
+            if self._uf.find(node) == cls:
                 return d
         return None
 
     def members(self, cls) -> list[tuple[int, int]]:
-        return sorted(n for n in list(self._parent) if self._find(n) == cls)
+        return sorted(n for n in list(self._uf.parent) if self._uf.find(n) == cls)
