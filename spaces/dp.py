@@ -5,16 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jscaler
+from jscaler.plan import recompute_layers
 
 
 @dataclass(frozen=True)
 class DP:
     """``dp()``: split the batch over every device; parameters replicated."""
 
+    recompute: float = 0
+
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> jscaler.Plan:
-        return jscaler.data_parallel(graph, n_devices)
+        plan = jscaler.data_parallel(graph, n_devices)
+        return recompute_layers(plan, self.recompute)
 
 
-def dp() -> DP:
-    """Data parallelism over all devices (gradients all-reduced)."""
-    return DP()
+def dp(recompute: float = 0) -> DP:
+    """Data parallelism over all devices (gradients all-reduced); ``recompute`` is the
+    fraction of repeated layers to checkpoint."""
+    return DP(recompute)

@@ -9,6 +9,11 @@ and everything between by heads or features, as Megatron-LM does by hand. A weig
 already inside a chosen class is not seeded again. The embedding table is split by
 vocabulary (partial-sum lookups). Ops that cannot split a class n ways get the whole
 tensor instead.
+
+With ``sp=True`` (Megatron sequence parallelism), ops outside the tensor-parallel regions
+(norms, residual adds, dropout, the loss) are split along the sequence over the same tp
+devices: activations enter a region by all-gather and leave it by reduce-scatter instead
+of all-reduce, and the per-device activation memory outside the regions drops tp-fold.
 """
 
 from __future__ import annotations
@@ -16,7 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jscaler
-from jscaler.plan import DimClasses, MeshSpec, Plan, assign_mesh, batch_axes, split_classes
+from jscaler.plan import (
+    DimClasses,
+    MeshSpec,
+    Plan,
+    assign_mesh,
+    batch_axes,
+    recompute_layers,
+    split_classes,
+)
 
 WEIGHT_OPS = ("dot_general", "conv_general_dilated")
 
@@ -72,17 +85,17 @@ class Megatron:
     dp: int | None = None
     pp: int = 1
     sp: bool = False
+    recompute: float = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
         if self.pp != 1:
             raise jscaler.PlanError(
                 f"megatron(pp={self.pp}): pipeline stages are not supported yet; use pp=1"
             )
-        if self.sp:
-            raise jscaler.PlanError("megatron(sp=True): sequence parallelism is not supported yet")
         dp = _infer_dp(n_devices, self.tp, self.pp, self.dp, "megatron")
         mesh = MeshSpec.create(dp=dp, tp=self.tp)
-        plan = Plan.create(graph, mesh, name=f"megatron(tp={self.tp}, dp={dp})")
+        sp = ", sp=True" if self.sp else ""
+        plan = Plan.create(graph, mesh, name=f"megatron(tp={self.tp}, dp={dp}{sp})")
         classes = DimClasses(plan.pgraph.graph)
         plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
         seeds = tp_seeds(graph, classes)
@@ -92,8 +105,28 @@ class Megatron:
                 f"reading a parameter) or embedding lookup to split; use dp() or zero()"
             )
         _check_seeds(graph, seeds, self.tp)
-        plan = split_classes(plan, seeds, self.tp, classes=classes)
-        return assign_mesh(plan, ["dp", "tp"])
+        choose = None
+        if self.sp:
+            seq = sequence_axes(graph)
+            seq_roots = {classes.of(*s) for s in seq}
+            batch_roots = {classes.of(*s) for s in batch_axes(graph)}
+
+            def choose(op, dim):  # only activations split along the sequence
+                in_seq = any(classes.dim_of(op, r) == dim for r in seq_roots)
+                return not in_seq or any(classes.dim_of(op, r) for r in batch_roots)
+
+            seeds = seeds + seq
+        plan = split_classes(plan, seeds, self.tp, classes=classes, choose=choose)
+        return recompute_layers(assign_mesh(plan, ["dp", "tp"]), self.recompute)
+
+
+def sequence_axes(graph: jscaler.Graph) -> list[tuple[int, int]]:
+    """Axis 1 of every batch leaf of rank >= 2: the sequence, for sequence parallelism."""
+    return [
+        (t, 1)
+        for t in graph.inputs
+        if graph.tensors[t].role == "batch" and len(graph.tensors[t].shape) >= 2
+    ]
 
 
 def _check_seeds(graph: jscaler.Graph, seeds, tp: int) -> None:
@@ -128,7 +161,10 @@ def _infer_dp(n_devices: int, tp: int, pp: int, dp: int | None, space: str) -> i
     return dp
 
 
-def megatron(tp: int = 1, dp: int | None = None, pp: int = 1, sp: bool = False) -> Megatron:
+def megatron(
+    tp: int = 1, dp: int | None = None, pp: int = 1, sp: bool = False, recompute: float = 0
+) -> Megatron:
     """Megatron tensor parallelism of degree ``tp`` times data parallelism ``dp``
-    (inferred as devices / (tp * pp) when not given)."""
-    return Megatron(tp, dp, pp, sp)
+    (inferred as devices / (tp * pp) when not given); ``sp`` adds sequence parallelism;
+    ``recompute`` is the fraction of repeated layers to checkpoint."""
+    return Megatron(tp, dp, pp, sp, recompute)

@@ -20,6 +20,7 @@ from jscaler.plan import (
     batch_axes,
     decouple,
     op_trans,
+    recompute_layers,
     split,
     split_classes,
 )
@@ -38,6 +39,7 @@ def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
 class Zero:
     stage: int = 1
     dp: int | None = None
+    recompute: float = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
         if self.stage not in (1, 2, 3):
@@ -46,7 +48,8 @@ class Zero:
         if dp != n_devices:
             raise jscaler.PlanError(f"zero(dp={dp}) needs {dp} devices; {n_devices} were given")
         plan = Plan.create(graph, MeshSpec.create(dp=dp), name=f"zero(stage={self.stage}, dp={dp})")
-        return shard_params(plan, graph, self.stage, "dp", forward=True)
+        plan = shard_params(plan, graph, self.stage, "dp", forward=True)
+        return recompute_layers(plan, self.recompute)
 
 
 def shard_params(plan: Plan, graph: jscaler.Graph, stage: int, axis: str, *, forward: bool) -> Plan:
@@ -88,6 +91,7 @@ def _index(pg, t: int) -> int:
     return next(i for i, o in enumerate(pg.update_ops) if o.inputs[0] == t)
 
 
-def zero(stage: int = 1, dp: int | None = None) -> Zero:
-    """ZeRO stage 1, 2 or 3 over ``dp`` devices (default: all)."""
-    return Zero(stage, dp)
+def zero(stage: int = 1, dp: int | None = None, recompute: float = 0) -> Zero:
+    """ZeRO stage 1, 2 or 3 over ``dp`` devices (default: all); ``recompute`` is the
+    fraction of repeated layers to checkpoint."""
+    return Zero(stage, dp, recompute)

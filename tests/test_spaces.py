@@ -23,8 +23,16 @@ SPACES = {
     "zero(1)": zero(1),
     "zero(2)": zero(2),
     "zero(3)": zero(3),
+    "megatron(tp=4, sp=True)": megatron(tp=4, sp=True),
+    "megatron(tp=2, dp=4, sp=True)": megatron(tp=2, dp=4, sp=True),
 }
-SLOW = {("gpt-tiny", "megatron(tp=8)"), ("gpt-tiny", "zero(2)"), ("convnet-tiny", "zero(2)")}
+SLOW = {
+    ("gpt-tiny", "megatron(tp=8)"),
+    ("gpt-tiny", "zero(2)"),
+    ("convnet-tiny", "zero(2)"),
+    ("convnet-tiny", "megatron(tp=2, dp=4, sp=True)"),
+    ("mlp-tiny", "megatron(tp=2, dp=4, sp=True)"),
+}
 
 
 @pytest.mark.parametrize(
@@ -117,3 +125,39 @@ def test_degrees_that_do_not_divide_the_devices_are_errors():
             devices=8,
             plan=megatron(tp=2, pp=2),
         )
+
+
+def test_megatron_sp_reduce_scatters_out_of_and_all_gathers_into_each_region():
+    spec = models.get("gpt-tiny")
+    trainer = assert_parity("gpt-tiny", megatron(tp=4, sp=True))
+    hlo = trainer.hlo(spec.batch(8, 0))
+    plain = jscaler.parallelize(
+        spec.init(0),
+        spec.loss,
+        __import__("optax").sgd(0.1),
+        spec.batch(8, 0),
+        plan=megatron(tp=4),
+    ).hlo(spec.batch(8, 0))
+    assert hlo.count("reduce-scatter(") >= 8  # o_proj and down_proj of 4 blocks
+    assert plain.count("reduce-scatter(") == 0
+    assert hlo.count("all-reduce(") < plain.count("all-reduce(")
+
+
+@pytest.mark.parametrize("fraction, chosen", [(0.5, [1, 3]), (1, [0, 1, 2, 3]), (0.25, [3])])
+def test_recompute_fraction_spreads_over_the_layers(fraction, chosen):
+    spec = models.get("gpt-tiny")
+    graph = jscaler.trace(spec.loss, spec.init(0), spec.batch(8, 0))
+    plan = zero(3, recompute=fraction)(graph, 8)
+    layers = graph.layers()
+    done = [i for i, layer in enumerate(layers) if plan.is_recomputed(layer.graph.ops[0].id)]
+    assert done == chosen
+
+
+def test_zero3_with_recompute_half_matches_one_device():
+    assert_parity("gpt-tiny", zero(3, recompute=0.5))
+    assert_parity("gpt-tiny", megatron(tp=2, dp=4, sp=True, recompute=0.5))
+
+
+def test_recompute_needs_repeated_layers():
+    with pytest.raises(jscaler.PlanError, match="no repeated layers"):
+        assert_parity("mlp-tiny", dp(recompute=0.5))

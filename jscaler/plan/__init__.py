@@ -9,6 +9,7 @@ from jscaler.plan.classes import DimClasses as DimClasses
 from jscaler.plan.helpers import assign_mesh as assign_mesh
 from jscaler.plan.helpers import batch_axes as batch_axes
 from jscaler.plan.helpers import data_parallel as data_parallel
+from jscaler.plan.helpers import recompute_layers as recompute_layers
 from jscaler.plan.helpers import split_classes as split_classes
 from jscaler.plan.mesh import MeshSpec as MeshSpec
 from jscaler.plan.pieces import Piece as Piece

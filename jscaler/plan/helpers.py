@@ -6,16 +6,31 @@ These helpers are the common moves, built from ``op_trans`` and ``op_assign`` on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
+from fractions import Fraction
 
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph, Op
 from jscaler.plan.classes import DimClasses
 from jscaler.plan.mesh import MeshSpec
 from jscaler.plan.plan import Plan, SubOp
-from jscaler.plan.primitives import _split_problem, op_assign, op_trans, replicate, split
+from jscaler.plan.primitives import (
+    _split_problem,
+    op_assign,
+    op_trans,
+    recompute,
+    replicate,
+    split,
+)
 
-__all__ = ["assign_mesh", "batch_axes", "data_parallel", "split_classes"]
+__all__ = [
+    "assign_mesh",
+    "batch_axes",
+    "data_parallel",
+    "recompute_layers",
+    "split_classes",
+]
 
 
 def batch_axes(graph: Graph, n: int | None = None) -> list[tuple[int, int]]:
@@ -90,6 +105,26 @@ def assign_mesh(plan: Plan, levels: Sequence[str], *, ops: Iterable[Op] | None =
                 )
             coords = dict(zip(levels, sub.path))
             plan = op_assign(plan, SubOp(sub.op, sub.path), mesh.device_at(coords))
+    return plan
+
+
+def recompute_layers(plan: Plan, fraction) -> Plan:
+    """Selective activation checkpointing: recompute a fraction of the repeated layers,
+    evenly spread (1/2: every other layer, the second of each pair; 1: all of them)."""
+    p = Fraction(fraction).limit_denominator(64)
+    if not 0 <= p <= 1:
+        raise PlanError(f"recompute={fraction!r}: expected a fraction between 0 and 1")
+    if p == 0:
+        return plan
+    layers = plan.graph.layers()
+    if not layers:
+        raise PlanError(
+            f"recompute={fraction}: the graph has no repeated layers (module lists such as "
+            f"blocks/0, blocks/1, ...) to checkpoint"
+        )
+    for i, layer in enumerate(layers):
+        if math.floor((i + 1) * p) > math.floor(i * p):
+            plan, _ = op_trans(plan, layer.graph, recompute())
     return plan
 
 
