@@ -47,9 +47,11 @@ def _param_source(graph: jscaler.Graph, t: int) -> int | None:
     return None
 
 
-def tp_seeds(graph: jscaler.Graph, classes: DimClasses) -> list[tuple[int, int]]:
-    """The tensor axes whose classes Megatron splits, in graph order."""
-    seeds, covered = [], set()
+def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
+    """The tensor axes whose classes Megatron splits, in graph order, and the *heads*:
+    weight ops whose output features the very next op needs whole (an LM head feeding a
+    softmax), which are better not split by features."""
+    seeds, covered, heads = [], set(), []
     for op in graph.ops:
         ann = op.annotation
         if ann is None:
@@ -72,11 +74,25 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses) -> list[tuple[int, int]]
                 (a for a, ax in enumerate(w_dims) if ax[0] in out_dims and ann.kinds[ax[0]] == ""),
                 None,
             )
-            if axis is not None:
+            if axis is None:
+                continue
+            cls = classes.of(x, axis)
+            if _needed_whole(graph, classes, op, cls):
+                heads.append(op)
+            else:
                 seeds.append((x, axis))
-                covered.add(classes.of(x, axis))
-                break
-    return seeds
+                covered.add(cls)
+            break
+    return seeds, heads
+
+
+def _needed_whole(graph, classes, op, cls) -> bool:
+    """True when a consumer of the op's output cannot split the class's dim."""
+    for user in graph.consumers(op.outputs[0]):
+        d = classes.dim_of(user, cls)
+        if d is not None and user.annotation is not None and user.annotation.kinds[d] == "^":
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -98,24 +114,28 @@ class Megatron:
         plan = Plan.create(graph, mesh, name=f"megatron(tp={self.tp}, dp={dp}{sp})")
         classes = DimClasses(plan.pgraph.graph)
         plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
-        seeds = tp_seeds(graph, classes)
+        seeds, heads = tp_seeds(graph, classes)
         if not seeds and self.tp > 1:
             raise jscaler.PlanError(
                 f"megatron(tp={self.tp}): the graph has no weight op (a matmul or convolution "
                 f"reading a parameter) or embedding lookup to split; use dp() or zero()"
             )
         _check_seeds(graph, seeds, self.tp)
-        choose = None
-        if self.sp:
-            seq = sequence_axes(graph)
-            seq_roots = {classes.of(*s) for s in seq}
-            batch_roots = {classes.of(*s) for s in batch_axes(graph)}
+        # Heads (and what follows them) split along the sequence instead; with sp=True,
+        # every activation outside the tensor-parallel regions does.
+        seq = sequence_axes(graph)
+        seq_roots = {classes.of(*s) for s in seq}
+        batch_roots = {classes.of(*s) for s in batch_axes(graph)}
+        order = {o.id: i for i, o in enumerate(graph.ops)}
+        first_head = min((order[h.id] for h in heads), default=len(graph.ops))
 
-            def choose(op, dim):  # only activations split along the sequence
-                in_seq = any(classes.dim_of(op, r) == dim for r in seq_roots)
-                return not in_seq or any(classes.dim_of(op, r) for r in batch_roots)
+        def choose(op, dim):  # only activations split along the sequence
+            if not any(classes.dim_of(op, r) == dim for r in seq_roots):
+                return True
+            after_head = order.get(op.id, -1) >= first_head
+            return (self.sp or after_head) and any(classes.dim_of(op, r) for r in batch_roots)
 
-            seeds = seeds + seq
+        seeds = seeds + seq
         plan = split_classes(plan, seeds, self.tp, classes=classes, choose=choose)
         return recompute_layers(assign_mesh(plan, ["dp", "tp"]), self.recompute)
 

@@ -63,6 +63,7 @@ def random_plan(data, graph) -> Plan:
                 if i == wild
                 else data.draw(st.sampled_from(["split"] * 3 + ["replicate"]), label="action")
             )
+            dim = None  # one dim for every piece of the level: a layout SPMD can express
             for sub in plan.sub_ops(op.id):
                 tree = plan.tree(op.id)
                 ok = [
@@ -71,11 +72,13 @@ def random_plan(data, graph) -> Plan:
                     if dim_extent(op, tree, sub.path, d) % k == 0
                 ]
                 if action == "split" and ok:
-                    plan, _ = op_trans(plan, sub, split(data.draw(st.sampled_from(ok))), k)
+                    if dim not in ok:
+                        dim = data.draw(st.sampled_from(ok), label="dim")
+                    plan, _ = op_trans(plan, sub, split(dim), k)
                 elif action == "wild" and op.annotation and op.annotation.dims:
-                    dim = data.draw(st.sampled_from(list(op.annotation.dims)), label="dim")
+                    wild_dim = data.draw(st.sampled_from(list(op.annotation.dims)), label="dim")
                     n = data.draw(st.sampled_from([2, 3, 4]), label="n")
-                    plan, _ = op_trans(plan, sub, split(dim), n)  # may raise SplitError
+                    plan, _ = op_trans(plan, sub, split(wild_dim), n)  # may raise SplitError
                 else:
                     plan, _ = op_trans(plan, sub, replicate(), k)
         how = "random" if i == scrambled else "swapped" if i == swapped else "mesh"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax._src import source_info_util
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jscaler.compile.layout import Layout, layout_of, replicated
@@ -197,6 +198,11 @@ def _run_checkpointed(low: Lowered, ops, env, have):
 
 
 def _run_op(low: Lowered, op: Op, env, have):
+    with source_info_util.extend_name_stack(op.path or "root"):
+        _run_op_named(low, op, env, have)
+
+
+def _run_op_named(low: Lowered, op: Op, env, have):
     lays = low.ops[op.id]
     ins = []
     for x, lay in zip(op.inputs, lays.inputs):
@@ -230,6 +236,10 @@ def _run_partial(low: Lowered, op: Op, ins, lays: OpLayouts):
     plans = [_reduction(low, t, lay) for t, lay in zip(op.outputs, lays.outputs)]
 
     def body(*local):
+        # one varying-axes type for all operands: primitives bound directly (not through
+        # jnp) do not insert the casts themselves
+        vma = set().union(*(_varying(x) for x in local))
+        local = [_vary(x, vma) for x in local]
         args = dict(zip((k for k, _ in tensor_ins), local))
         args.update(literals)
         outs = _bind(op, [args[k] for k in range(len(ins))])
@@ -244,10 +254,22 @@ def _run_partial(low: Lowered, op: Op, ins, lays: OpLayouts):
 
     in_specs = tuple(lays.inputs[k].pspec() for k, _ in tensor_ins)
     out_specs = [final.pspec() for *_, final in plans]
-    outs = jax.shard_map(
-        body, mesh=low.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-    )(*[v for _, v in tensor_ins])
+    outs = jax.shard_map(body, mesh=low.mesh, in_specs=in_specs, out_specs=out_specs)(
+        *[v for _, v in tensor_ins]
+    )
     return outs, [final for *_, final in plans]
+
+
+def _varying(x) -> frozenset:
+    """The mesh axes a value inside shard_map varies over (its varying-axes type)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _vary(x, axes):
+    missing = tuple(sorted(set(axes) - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _reduction(low: Lowered, t: int, produced: Layout):

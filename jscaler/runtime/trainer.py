@@ -172,14 +172,17 @@ class Trainer:
                 )
         return _place(leaves, self._b_shard)
 
-    def hlo(self, batch) -> str:
-        """The compiled HLO text of the training step for this batch (to read the
-        collectives XLA emitted)."""
+    def compiled(self, batch):
+        """The compiled training step for this batch: ``.as_text()`` shows the collectives
+        XLA emitted, ``.memory_analysis()`` the per-device memory."""
         if self._step_fn is None:
             self._step_fn = self._build_step()
         b = self._put_batch(batch)
-        lowered = self._step_fn.lower(self._params, self._opt_state, self._state, b)
-        return lowered.compile().as_text()
+        return self._step_fn.lower(self._params, self._opt_state, self._state, b).compile()
+
+    def hlo(self, batch) -> str:
+        """The compiled HLO text of the training step for this batch."""
+        return self.compiled(batch).as_text()
 
     def step(self, batch) -> dict[str, float]:
         """One training step: ``{"loss", "grad_norm"}`` (loss before the update)."""

@@ -1,0 +1,128 @@
+"""Reading the collectives XLA compiled, from ``compiled.as_text()``.
+
+Each collective is counted with its kind, its per-device payload in bytes (the larger of
+what one device sends or receives: the gathered result of an all-gather, the input of a
+reduce-scatter, the buffer of an all-reduce), the mesh axes it runs over and the module
+path jax recorded for it. The CPU backend does not form reduce-scatters: an all-reduce
+whose every user keeps only 1/n of it (n devices in its group) is counted as one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+__all__ = ["Collective", "collectives", "summarize"]
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+    "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    bytes: int
+    axes: tuple[str, ...]
+    group: int
+    op_name: str
+    name: str
+
+
+def _shape_bytes(text: str) -> tuple[int, int]:
+    """(bytes, elements) of an HLO result type (a shape or a tuple of shapes)."""
+    total_b = total_e = 0
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype not in DTYPE_BYTES:
+            continue
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total_b += n * DTYPE_BYTES[dtype]
+        total_e += n
+    return total_b, total_e
+
+
+def _group(line: str) -> tuple[tuple[str, ...], int]:
+    m = _MESH_GROUPS.search(line)
+    if m:
+        sizes = dict(
+            (k.strip().strip("'"), int(v)) for k, v in (p.split("=") for p in m.group(1).split(","))
+        )
+        axes = tuple(a.strip().strip("'") for a in m.group(2).split(",") if a.strip())
+        return axes, math.prod(sizes[a] for a in axes) if axes else 1
+    m = _LIST_GROUPS.search(line)
+    if m:
+        return (), len([x for x in m.group(1).split(",") if x])
+    return (), 1
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled HLO module (async start/done pairs counted once)."""
+    instrs = {}
+    users = defaultdict(list)
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, rtype, opcode, rest = m.groups()
+        instrs[name] = (rtype, opcode, line)
+        for operand in re.findall(r"%([\w.\-]+)", rest.split("),")[0]):
+            users[operand].append(name)
+    out = []
+    for name, (rtype, opcode, line) in instrs.items():
+        kind = opcode.removesuffix("-start")
+        if kind not in KINDS or opcode.endswith("-done"):
+            continue
+        axes, group = _group(line)
+        op = _OP_NAME.search(line)
+        op_name = op.group(1) if op else ""
+        parts = _tuple_parts(rtype)
+        for i, part in enumerate(parts):
+            nbytes, elems = _shape_bytes(part)
+            part_kind = kind
+            if kind == "reduce-scatter":
+                nbytes *= group
+            elif kind == "all-reduce" and group > 1:
+                readers = _readers(name, i, len(parts) > 1, instrs, users)
+                kept = [_shape_bytes(instrs[u][0])[1] for u in readers]
+                if kept and all(k * group == elems for k in kept):
+                    part_kind = "reduce-scatter"
+            out.append(Collective(part_kind, nbytes, axes, group, op_name, name))
+    return out
+
+
+def _tuple_parts(rtype: str) -> list[str]:
+    """The element types of a tuple result (a plain shape is a one-element list)."""
+    rtype = rtype.strip()
+    if not rtype.startswith("("):
+        return [rtype]
+    return [m.group(0) for m in _SHAPE.finditer(rtype)]
+
+
+def _readers(name, index, is_tuple, instrs, users):
+    """The instructions reading element ``index`` of ``name`` (through get-tuple-element)."""
+    if not is_tuple:
+        return [u for u in users.get(name, []) if u in instrs]
+    out = []
+    for u in users.get(name, []):
+        rtype, opcode, line = instrs.get(u, ("", "", ""))
+        if opcode == "get-tuple-element" and re.search(rf"index={index}\b", line):
+            out.extend(v for v in users.get(u, []) if v in instrs)
+    return out
+
+
+def summarize(colls: list[Collective]) -> dict[str, tuple[int, int]]:
+    """kind -> (count, bytes)."""
+    out: dict[str, tuple[int, int]] = {}
+    for c in colls:
+        n, b = out.get(c.kind, (0, 0))
+        out[c.kind] = (n + 1, b + c.bytes)
+    return out
