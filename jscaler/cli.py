@@ -95,6 +95,27 @@ def _parser() -> argparse.ArgumentParser:
         "1e-6*max|p| for parameters) by this; 0 asks for bit-identical results",
     )
     ve.set_defaults(run=_verify)
+
+    be = sub.add_parser(
+        "bench",
+        help="benchmarks: 'spmd' compares plans with plain JAX (memory, collectives, time)",
+        description="Run a benchmark and print its table. 'spmd': for one model on N "
+        "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
+        "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
+        "Megatron name rules and plain jax.jit data parallelism, with ratios.",
+    )
+    be.add_argument("which", choices=["spmd"], help="the benchmark")
+    be.add_argument("--model", default="gpt-small", help="model (default gpt-small, 21M)")
+    be.add_argument("--steps", type=int, default=3, help="timed steps per plan (default 3)")
+    be.add_argument(
+        "--plan",
+        action="append",
+        default=None,
+        help="a plan expression to bench (repeatable; default: a standard set)",
+    )
+    be.add_argument("--json", action="store_true", help="print the rows as JSON")
+    _add_devices(be)
+    be.set_defaults(run=_bench)
     return p
 
 
@@ -247,6 +268,34 @@ def _verify(args) -> int:
     for line in mm.lines[:20]:
         print("  " + line)
     return 1
+
+
+def _bench(args) -> int:
+    from bench import spmd
+
+    n = args.devices or 8
+    plans = {expr: parse_plan(expr) for expr in args.plan} if args.plan else None
+    spec, rows = spmd.run(args.model, n, steps=args.steps, plans=plans)
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "plan": r.name,
+                        "memory_bytes": r.memory,
+                        "step_s": r.step_s,
+                        "collectives": {
+                            k: {"count": c, "bytes": b} for k, (c, b) in r.comm.items()
+                        },
+                    }
+                    for r in rows
+                ],
+                indent=1,
+            )
+        )
+    else:
+        print(spmd.table(spec, rows, n))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

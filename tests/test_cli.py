@@ -94,3 +94,20 @@ def test_plan_expressions_are_parsed_safely():
     for bad in ("megatron(tp=x)", "megatron(tp=2)()", "lambda: 0", "megatron(tp=2"):
         with pytest.raises(__import__("jscaler").PlanError):
             parse_plan(bad)
+
+
+def test_bench_spmd_runs_and_prints_ratios():
+    out = run(
+        "bench",
+        "spmd",
+        "--model",
+        "gpt-tiny",
+        "--steps",
+        "1",
+        "--plan",
+        "megatron(tp=4, dp=2)",
+        "--devices",
+        "8",
+    ).stdout
+    assert "plain rules tp=8" in out and "plain jit dp" in out
+    assert "megatron(tp=4, dp=2)" in out and "comm/rules" in out

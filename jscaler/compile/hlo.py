@@ -50,14 +50,19 @@ def _shape_bytes(text: str) -> tuple[int, int]:
     return total_b, total_e
 
 
+_AXIS = re.compile(r"'([^']+)'(?:=(\d+)|:\((\d+)\)(\d+))?")
+
+
 def _group(line: str) -> tuple[tuple[str, ...], int]:
+    """(mesh axes, devices per group) of a collective; sub-axes read as 'tp:(1)2'."""
     m = _MESH_GROUPS.search(line)
     if m:
-        sizes = dict(
-            (k.strip().strip("'"), int(v)) for k, v in (p.split("=") for p in m.group(1).split(","))
-        )
-        axes = tuple(a.strip().strip("'") for a in m.group(2).split(",") if a.strip())
-        return axes, math.prod(sizes[a] for a in axes) if axes else 1
+        sizes = {a: int(s) for a, s, _, _ in _AXIS.findall(m.group(1)) if s}
+        axes, group = [], 1
+        for name, _, _, sub in _AXIS.findall(m.group(2)):
+            axes.append(name if not sub else f"{name}:{sub}")
+            group *= int(sub) if sub else sizes.get(name, 1)
+        return tuple(axes), group
     m = _LIST_GROUPS.search(line)
     if m:
         return (), len([x for x in m.group(1).split(",") if x])
