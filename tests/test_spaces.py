@@ -4,6 +4,7 @@ Parity: SGD, 3 steps; loss, gradients and updated params per leaf within
 |a-b| <= 1e-5*|b| + 1e-7*max|b| (fp32).
 """
 
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -53,16 +54,7 @@ def specs_by_name(trainer):
 
 
 def test_megatron_tp4_splits_mlp_weights_and_attention_four_ways():
-    spec = models.get("gpt-tiny")
-    model = spec.init(0)
-    trainer = jscaler.parallelize(
-        model,
-        spec.loss,
-        __import__("optax").sgd(0.1),
-        spec.batch(8, 0),
-        devices=8,
-        plan=megatron(tp=4),
-    )
+    trainer = make_trainer("gpt-tiny", megatron(tp=4))
     s = specs_by_name(trainer)
     for i in range(4):
         assert s[f"blocks/{i}/mlp/gate_proj/kernel"] == P(None, "tp")  # column
@@ -78,15 +70,7 @@ def test_megatron_tp4_splits_mlp_weights_and_attention_four_ways():
 
 
 def test_zero3_splits_every_param_with_a_dim_divisible_by_8():
-    spec = models.get("gpt-tiny")
-    trainer = jscaler.parallelize(
-        spec.init(0),
-        spec.loss,
-        __import__("optax").sgd(0.1),
-        spec.batch(8, 0),
-        devices=8,
-        plan=zero(3),
-    )
+    trainer = make_trainer("gpt-tiny", zero(3))
     for t, sharding in zip(trainer.graph.params(), leaves(trainer.shardings())):
         if any(d % 8 == 0 for d in t.shape):
             assert "dp" in str(sharding.spec), t.name
@@ -96,48 +80,36 @@ def test_zero3_splits_every_param_with_a_dim_divisible_by_8():
             assert sharding.spec == P(), t.name
 
 
-def test_degrees_that_do_not_divide_the_devices_are_errors():
-    spec = models.get("mlp-tiny")
-    with pytest.raises(jscaler.PlanError, match="divisible by tp"):
-        jscaler.parallelize(
-            spec.init(0),
-            spec.loss,
-            __import__("optax").sgd(0.1),
-            spec.batch(16, 0),
-            devices=8,
-            plan=megatron(tp=3),
-        )
-    with pytest.raises(jscaler.PlanError, match="uses dp\\*tp\\*pp=4 devices"):
-        jscaler.parallelize(
-            spec.init(0),
-            spec.loss,
-            __import__("optax").sgd(0.1),
-            spec.batch(16, 0),
-            devices=8,
-            plan=megatron(tp=2, dp=2),
-        )
-    with pytest.raises(jscaler.PlanError, match="pipeline stages are not supported yet"):
-        jscaler.parallelize(
-            spec.init(0),
-            spec.loss,
-            __import__("optax").sgd(0.1),
-            spec.batch(16, 0),
-            devices=8,
-            plan=megatron(tp=2, pp=2),
-        )
+def make_trainer(model_name, plan, batch_size=None, devices=8):
+    spec = models.get(model_name)
+    return jscaler.parallelize(
+        spec.init(0),
+        spec.loss,
+        optax.sgd(0.1),
+        spec.batch(batch_size or spec.batch_size, 0),
+        devices=devices,
+        plan=plan,
+    )
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        (megatron(tp=3), "divisible by tp"),
+        (megatron(tp=2, dp=2), "uses dp\\*tp\\*pp=4 devices"),
+        (megatron(tp=2, pp=2), "pipeline stages are not supported yet"),
+    ],
+)
+def test_degrees_that_do_not_divide_the_devices_are_errors(plan, message):
+    with pytest.raises(jscaler.PlanError, match=message):
+        make_trainer("mlp-tiny", plan)
 
 
 def test_megatron_sp_reduce_scatters_out_of_and_all_gathers_into_each_region():
     spec = models.get("gpt-tiny")
     trainer = assert_parity("gpt-tiny", megatron(tp=4, sp=True))
     hlo = trainer.hlo(spec.batch(8, 0))
-    plain = jscaler.parallelize(
-        spec.init(0),
-        spec.loss,
-        __import__("optax").sgd(0.1),
-        spec.batch(8, 0),
-        plan=megatron(tp=4),
-    ).hlo(spec.batch(8, 0))
+    plain = make_trainer("gpt-tiny", megatron(tp=4)).hlo(spec.batch(8, 0))
     assert hlo.count("reduce-scatter(") >= 8  # o_proj and down_proj of 4 blocks
     assert plain.count("reduce-scatter(") == 0
     assert hlo.count("all-reduce(") < plain.count("all-reduce(")

@@ -79,12 +79,11 @@ def parallelize(
     Returns:
       A :class:`Trainer`; ``trainer.step(batch)`` returns ``{"loss", "grad_norm"}``.
 
-    Example::
+    Example (``megatron`` comes from the ``spaces`` package)::
 
-        from spaces import megatron
-        trainer = jscaler.parallelize(model, gpt.loss, optax.adamw(3e-4), batch,
-                                      devices=8, plan=megatron(tp=2, dp=4))
-        metrics = trainer.step(batch)
+        >>> trainer = jscaler.parallelize(model, gpt.loss, optax.adamw(3e-4), batch,
+        ...                               devices=8, plan=megatron(tp=2, dp=4))
+        >>> metrics = trainer.step(batch)
     """
     devices = resolve_devices(devices)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
