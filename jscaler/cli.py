@@ -91,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         "--tol-scale",
         type=float,
         default=1.0,
-        help="multiply the fp32 tolerances (rtol 1e-5; atol 1e-5*max|g| for gradients, "
-        "1e-6*max|p| for parameters) by this; 0 asks for bit-identical results",
+        help="multiply the tolerances (fp32: rtol 1e-5; atol 1e-5*max|g| for gradients, "
+        "1e-6*max|p| for parameters; bf16: rtol 2^-6, atol 2^-5*max) by this; 0 asks for "
+        "bit-identical results",
     )
     ve.set_defaults(run=_verify)
 
@@ -245,18 +246,21 @@ def _train(args) -> int:
 def _verify(args) -> int:
     import optax
 
-    from jscaler.runtime.reference import ATOL, RTOL, compare, reference_steps, trainer_steps
+    from jscaler.runtime.precision import compute_dtype
+    from jscaler.runtime.reference import TOLERANCES, compare, reference_steps, trainer_steps
 
     spec, model, trainer, batch_size = _setup_trainer(args, optax.sgd(args.lr))
     batches = [spec.batch(batch_size, s) for s in range(args.steps)]
     print(
         f"verify {spec.name} under {trainer.plan.name} on {trainer.plan.mesh.size} devices "
-        f"against one device: SGD(lr={args.lr}), {args.steps} steps"
+        f"against one device: SGD(lr={args.lr}), {args.steps} steps, {trainer.precision}"
     )
-    want = reference_steps(model, spec.loss, optax.sgd(args.lr), batches)
+    dtype = compute_dtype(trainer.precision)
+    want = reference_steps(model, spec.loss, optax.sgd(args.lr), batches, compute_dtype=dtype)
     got = trainer_steps(trainer, batches)
     k = args.tol_scale
-    mm = compare(got, want, rtol=RTOL * k, atol={kind: a * k for kind, a in ATOL.items()})
+    rtol, atol = TOLERANCES[trainer.precision]
+    mm = compare(got, want, rtol=rtol * k, atol={kind: a * k for kind, a in atol.items()})
     for step, (g, w) in enumerate(zip(got, want)):
         print(f"  step {step}: loss {g[0]:.7f}  reference {w[0]:.7f}")
     for kind, err in mm.max_err.items():

@@ -102,6 +102,7 @@ class Megatron:
     pp: int = 1
     sp: bool = False
     recompute: float = 0
+    precision: str = "fp32"
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
         if self.pp != 1:
@@ -182,9 +183,15 @@ def _infer_dp(n_devices: int, tp: int, pp: int, dp: int | None, space: str) -> i
 
 
 def megatron(
-    tp: int = 1, dp: int | None = None, pp: int = 1, sp: bool = False, recompute: float = 0
+    tp: int = 1,
+    dp: int | None = None,
+    pp: int = 1,
+    sp: bool = False,
+    recompute: float = 0,
+    precision: str = "fp32",
 ) -> Megatron:
     """Megatron tensor parallelism of degree ``tp`` times data parallelism ``dp``
     (inferred as devices / (tp * pp) when not given); ``sp`` adds sequence parallelism;
-    ``recompute`` is the fraction of repeated layers to checkpoint."""
-    return Megatron(tp, dp, pp, sp, recompute)
+    ``recompute`` is the fraction of repeated layers to checkpoint; ``precision="bf16"``
+    computes in bf16 with fp32 master parameters."""
+    return Megatron(tp, dp, pp, sp, recompute, precision)

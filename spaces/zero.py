@@ -40,6 +40,7 @@ class Zero:
     stage: int = 1
     dp: int | None = None
     recompute: float = 0
+    precision: str = "fp32"
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
         if self.stage not in (1, 2, 3):
@@ -91,7 +92,10 @@ def _index(pg, t: int) -> int:
     return next(i for i, o in enumerate(pg.update_ops) if o.inputs[0] == t)
 
 
-def zero(stage: int = 1, dp: int | None = None, recompute: float = 0) -> Zero:
+def zero(
+    stage: int = 1, dp: int | None = None, recompute: float = 0, precision: str = "fp32"
+) -> Zero:
     """ZeRO stage 1, 2 or 3 over ``dp`` devices (default: all); ``recompute`` is the
-    fraction of repeated layers to checkpoint."""
-    return Zero(stage, dp, recompute)
+    fraction of repeated layers to checkpoint; ``precision="bf16"`` computes in bf16 with
+    fp32 master parameters and optimizer state."""
+    return Zero(stage, dp, recompute, precision)

@@ -78,6 +78,8 @@ def test_verify_exit_codes():
         "verify", "--model", "mlp-tiny", "--plan", "zero(stage=3)", "--tol-scale", "0", check=False
     )
     assert bad.returncode == 1 and "MISMATCH" in bad.stdout
+    bf16 = run("verify", "--model", "mlp-tiny", "--plan", "zero(stage=3, precision='bf16')")
+    assert "bf16" in bf16.stdout and "MATCH" in bf16.stdout
     err = run("verify", "--model", "mlp-tiny", "--plan", "megatron(tp=3)", check=False)
     assert err.returncode == 2 and "divisible by tp*pp=3" in err.stderr
     err = run("verify", "--model", "mlp-tiny", "--plan", "__import__('os')", check=False)

@@ -20,6 +20,7 @@ from jscaler.ir.trace import trace
 from jscaler.plan.helpers import data_parallel
 from jscaler.plan.plan import Plan, graph_fingerprint
 from jscaler.plan.validate import validate
+from jscaler.runtime.precision import compute_dtype, with_compute_dtype
 from jscaler.runtime.trainer import Trainer
 
 __all__ = ["Space", "parallelize", "resolve_devices"]
@@ -75,6 +76,9 @@ def parallelize(
       plan: a space (``megatron(tp=4)`` from ``spaces``), a concrete :class:`Plan`, the
         path of a plan's JSON, or ``"dp"`` (data parallelism, the default).
       microbatches: gradient accumulation over this many micro-batches per step.
+        A space's ``precision="bf16"`` computes in bf16 (the loss traced with bf16
+        parameters and floating batch leaves) while the trainer keeps fp32 master
+        parameters and optimizer state.
 
     Returns:
       A :class:`Trainer`; ``trainer.step(batch)`` returns ``{"loss", "grad_norm"}``.
@@ -99,11 +103,24 @@ def parallelize(
     micro = [
         jax.ShapeDtypeStruct((s.shape[0] // microbatches, *s.shape[1:]), s.dtype) for s in shapes
     ]
-    graph = trace(loss_fn, model, jax.tree_util.tree_unflatten(tdef, micro))
+    precision = _precision_of(plan)
+    dtype = compute_dtype(precision)
+    traced_model, traced_batch = with_compute_dtype(
+        model, jax.tree_util.tree_unflatten(tdef, micro), dtype
+    )
+    graph = trace(loss_fn, traced_model, traced_batch)
     plan = resolve_plan(plan, graph, len(devices))
     validate(plan, n_devices=len(devices))
     lowered = lower(plan, devices)
-    return Trainer(graph, lowered, optimizer, model, microbatches, shapes)
+    return Trainer(graph, lowered, optimizer, model, microbatches, shapes, precision)
+
+
+def _precision_of(plan) -> str:
+    """A space's ``precision`` knob; a Plan computes in the dtype its graph was traced in."""
+    if isinstance(plan, Plan):
+        dtypes = {t.dtype for t in plan.graph.params()}
+        return "bf16" if dtypes == {"bfloat16"} else "fp32"
+    return getattr(plan, "precision", "fp32")
 
 
 def resolve_plan(plan, graph: Graph, n_devices: int) -> Plan:

@@ -30,6 +30,8 @@ class Trainer:
     Attributes:
       plan: the validated :class:`Plan` it runs.
       graph: the traced graph (at micro-batch shape).
+      precision: ``"fp32"``, or ``"bf16"``: the step computes in bf16 while parameters
+        and optimizer state stay fp32 (gradients arrive in fp32 through the casts).
     """
 
     def __init__(
@@ -40,9 +42,11 @@ class Trainer:
         model_or_params: Any,
         microbatches: int,
         batch_shapes: list[jax.ShapeDtypeStruct],
+        precision: str = "fp32",
     ):
         self.graph = graph
         self.plan: Plan = lowered.plan
+        self.precision = precision
         self._low = lowered
         self._optimizer = optimizer
         self._m = microbatches
@@ -70,6 +74,10 @@ class Trainer:
         self._opt_state = jax.jit(optimizer.init, out_shardings=self._opt_shard)(params_tree)
         self._grad_layouts = [lowered.grad[t] for t in param_ids]
         self._upd_layouts = [lowered.update[t] for t in param_ids]
+        tensors = graph.tensors
+        roles = [tensors[t] for t in graph.inputs]
+        self._p_dtypes = [t.dtype for t in roles if t.role == "param"]
+        self._b_dtypes = [t.dtype for t in roles if t.role == "batch"]
         self._step_fn = None
         self._grad_fn = None
         self.step_count = 0
@@ -102,8 +110,10 @@ class Trainer:
         low, m = self._low, self._m
 
         def one(params, state, mb):
+            params = [p.astype(d) for p, d in zip(params, self._p_dtypes)]
+            mb = [x.astype(d) for x, d in zip(mb, self._b_dtypes)]
             outs = low.forward(*params, *state, *mb)
-            return outs[0], list(outs[1:])
+            return outs[0].astype(jnp.float32), list(outs[1:])
 
         grad_fn = jax.value_and_grad(one, has_aux=True)
 
