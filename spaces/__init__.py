@@ -6,8 +6,9 @@ command line accepts (``--plan "megatron(tp=2, dp=4)"``) to the functions making
 
 from spaces.dp import dp
 from spaces.megatron import megatron
+from spaces.sequence import ulysses
 from spaces.zero import zero
 
-SPACES = {"dp": dp, "megatron": megatron, "zero": zero}
+SPACES = {"dp": dp, "megatron": megatron, "ulysses": ulysses, "zero": zero}
 
-__all__ = ["SPACES", "dp", "megatron", "zero"]
+__all__ = ["SPACES", "dp", "megatron", "ulysses", "zero"]

@@ -60,5 +60,10 @@ class DimClasses:
                 return d
         return None
 
+    def dims_in(self, op: Op, cls) -> list[str]:
+        """Every dim of the op in the class (attention's score matmul carries the
+        sequence class twice: as queries and as keys)."""
+        return [d for d, node in self._by_op.get(op.id, ()) if self._uf.find(node) == cls]
+
     def members(self, cls) -> list[tuple[int, int]]:
         return sorted(n for n in list(self._uf.parent) if self._uf.find(n) == cls)

@@ -1,0 +1,124 @@
+"""Sequence parallelism for long sequences: Ulysses (all-to-all heads <-> sequence).
+
+Every activation is split along the sequence over an ``sp`` mesh axis, parameters are
+replicated (their gradients all-reduced over dp and sp together). Attention needs every
+key for each query, so DeepSpeed-Ulysses switches layouts around it: the core of attention
+(rotary embedding, scores, softmax, the weighted sum of values) is split by heads instead,
+and the switch from "sequence-split, all heads" to "heads-split, whole sequence" and back
+is an all-to-all each way. Here that is just a choice of split per op; the layouts imply
+the all-to-alls and XLA emits them.
+
+The attention core is found from the graph, not from names: the op that carries the
+sequence class twice (queries and keys of the score matmul) marks attention, and its
+output dims that are neither batch nor sequence are the heads. Ops reading a parameter
+(the q/k/v/o projections) stay split by sequence, so the weights never need splitting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jscaler
+from jscaler.plan import (
+    DimClasses,
+    MeshSpec,
+    Plan,
+    assign_mesh,
+    batch_axes,
+    recompute_layers,
+    split_classes,
+)
+from spaces.megatron import _infer_dp, _param_source, sequence_axes
+
+
+def attention_heads(graph: jscaler.Graph, classes: DimClasses):
+    """The heads class of each attention in the graph, and the score ops marking them.
+
+    Returns ``(head_seeds, score_ops)``: tensor axes ``(tensor id, axis)`` whose classes
+    are attention heads, and the ops that carry the sequence class twice.
+    """
+    seq_roots = {classes.of(*s) for s in sequence_axes(graph)}
+    batch_roots = {classes.of(*s) for s in batch_axes(graph)}
+    seeds, scores, seen = [], [], set()
+    for op in graph.ops:
+        ann = op.annotation
+        if ann is None or not op.outputs:
+            continue
+        if not any(len(classes.dims_in(op, r)) >= 2 for r in seq_roots):
+            continue
+        scores.append(op)
+        out = op.outputs[0]
+        for axis, ax in enumerate(ann.outputs[0]):
+            cls = classes.of(out, axis)
+            if cls in seq_roots or cls in batch_roots or cls in seen:
+                continue
+            if ann.kinds[ax[0]] == "":
+                seeds.append((out, axis))
+                seen.add(cls)
+    return seeds, scores
+
+
+@dataclass(frozen=True)
+class Ulysses:
+    sp: int = 1
+    dp: int | None = None
+    recompute: float = 0
+    precision: str = "fp32"
+
+    def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
+        dp = _infer_dp(n_devices, self.sp, 1, self.dp, "ulysses")
+        mesh = MeshSpec.create(dp=dp, sp=self.sp)
+        plan = Plan.create(graph, mesh, name=f"ulysses(sp={self.sp}, dp={dp})")
+        classes = DimClasses(plan.pgraph.graph)
+        plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
+        seq = sequence_axes(graph)
+        heads, scores = attention_heads(graph, classes)
+        if not scores or not heads:
+            raise jscaler.PlanError(
+                "ulysses: the graph has no attention (an op reading the sequence twice, as "
+                "queries and keys) whose heads could be split; use dp(), megatron() or zero()"
+            )
+        _check_divides(graph, heads, scores, self.sp, "sp")
+        _check_sequence(graph, seq, self.sp)
+        head_roots = {classes.of(*h) for h in heads}
+        batch_roots = {classes.of(*b) for b in batch_axes(graph)}
+
+        def choose(op, dim):
+            if any(classes.dim_of(op, r) == dim for r in head_roots):
+                return not any(_param_source(graph, x) is not None for x in op.tensor_inputs)
+            # the sequence: only activations (ops that also carry the batch)
+            return any(classes.dim_of(op, r) for r in batch_roots)
+
+        plan = split_classes(plan, heads + seq, self.sp, classes=classes, choose=choose)
+        return recompute_layers(assign_mesh(plan, ["dp", "sp"]), self.recompute)
+
+
+def _check_divides(graph, heads, scores, n, knob):
+    for (t, axis), op in zip(heads, scores):
+        size = graph.tensors[t].shape[axis]
+        if size % n:
+            raise jscaler.PlanError(
+                f"ulysses({knob}={n}) cannot split the heads of {op.where}: it has {size} "
+                f"heads, which {n} does not divide. Choose {knob} among the divisors of {size}, "
+                f"or use ring attention (ring(sp=...)) or usp(ulysses=..., ring=...)"
+            )
+
+
+def _check_sequence(graph, seq, n):
+    for t, axis in seq:
+        size = graph.tensors[t].shape[axis]
+        if size % n:
+            raise jscaler.PlanError(
+                f"sequence parallelism of degree {n} cannot split batch leaf "
+                f"{graph.tensors[t].name!r}: its sequence axis has {size} positions; use a "
+                f"degree that divides {size} or pad the sequence"
+            )
+
+
+def ulysses(
+    sp: int = 1, dp: int | None = None, recompute: float = 0, precision: str = "fp32"
+) -> Ulysses:
+    """DeepSpeed-Ulysses sequence parallelism of degree ``sp`` (activations split along
+    the sequence, attention by heads, all-to-all between) times data parallelism ``dp``
+    (inferred as devices / sp when not given)."""
+    return Ulysses(sp, dp, recompute, precision)
