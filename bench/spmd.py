@@ -29,6 +29,7 @@ class Row:
     memory: int
     comm: dict[str, tuple[int, int]]
     step_s: float
+    predicted: int | None = None  # the plan's comm table, bytes per device per step
 
     @property
     def comm_bytes(self) -> int:
@@ -44,14 +45,16 @@ def measure(name, runner, batch, steps: int) -> Row:
         + mem.temp_size_in_bytes
         - mem.alias_size_in_bytes
     )
-    comm = summarize(collectives(compiled.as_text()))
+    mesh = runner.plan.mesh.axes if hasattr(runner, "plan") else None
+    comm = summarize(collectives(compiled.as_text(), mesh))
     runner.step(batch)  # warm-up (compiles the executable proper)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         runner.step(batch)
         times.append(time.perf_counter() - start)
-    return Row(name, memory, comm, statistics.median(times))
+    predicted = runner.comm_table().total_bytes if hasattr(runner, "comm_table") else None
+    return Row(name, memory, comm, statistics.median(times), predicted)
 
 
 def default_plans():
@@ -113,6 +116,7 @@ def table(spec, rows: list[Row], n_devices: int) -> str:
         "plan",
         "memory MB",
         "comm MB",
+        "predicted",
         *[k.replace("collective-", "") for k in kinds],
         "step ms",
         "comm/rules",
@@ -127,6 +131,7 @@ def table(spec, rows: list[Row], n_devices: int) -> str:
                 r.name,
                 f"{r.memory / 1e6:.1f}",
                 f"{r.comm_bytes / 1e6:.1f}",
+                "-" if r.predicted is None else f"{r.predicted / 1e6:.1f}",
                 *[f"{r.comm.get(k, (0, 0))[1] / 1e6:.1f}" for k in kinds],
                 f"{r.step_s * 1e3:.0f}",
                 f"{r.comm_bytes / max(base_rules.comm_bytes, 1):.2f}",

@@ -288,6 +288,7 @@ def _bench(args) -> int:
                         "plan": r.name,
                         "memory_bytes": r.memory,
                         "step_s": r.step_s,
+                        "predicted_bytes": r.predicted,
                         "collectives": {
                             k: {"count": c, "bytes": b} for k, (c, b) in r.comm.items()
                         },

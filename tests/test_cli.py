@@ -112,4 +112,4 @@ def test_bench_spmd_runs_and_prints_ratios():
         "8",
     ).stdout
     assert "plain rules tp=8" in out and "plain jit dp" in out
-    assert "megatron(tp=4, dp=2)" in out and "comm/rules" in out
+    assert "megatron(tp=4, dp=2)" in out and "comm/rules" in out and "predicted" in out

@@ -14,6 +14,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["Collective", "collectives", "summarize"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -25,6 +27,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -53,24 +56,61 @@ def _shape_bytes(text: str) -> tuple[int, int]:
 _AXIS = re.compile(r"'([^']+)'(?:=(\d+)|:\((\d+)\)(\d+))?")
 
 
-def _group(line: str) -> tuple[tuple[str, ...], int]:
-    """(mesh axes, devices per group) of a collective; sub-axes read as 'tp:(1)2'."""
+def _group(line: str, mesh) -> tuple[tuple[str, ...], int]:
+    """(mesh axes, devices per group) of a collective; sub-axes read as 'tp:(1)2'.
+
+    With ``mesh`` (``((name, size), ...)``, major first), anonymous axes (``axis_0``) and
+    explicit device groups are named by the mesh axes they span."""
     m = _MESH_GROUPS.search(line)
     if m:
-        sizes = {a: int(s) for a, s, _, _ in _AXIS.findall(m.group(1)) if s}
+        declared = [(a, int(s)) for a, s, _, _ in _AXIS.findall(m.group(1)) if s]
+        sizes = dict(declared)
+        rename = {}
+        if mesh and [s for _, s in declared] == [s for _, s in mesh]:
+            rename = {a: n for (a, _), (n, _) in zip(declared, mesh)}
         axes, group = [], 1
         for name, _, _, sub in _AXIS.findall(m.group(2)):
-            axes.append(name if not sub else f"{name}:{sub}")
             group *= int(sub) if sub else sizes.get(name, 1)
+            name = rename.get(name, name)
+            axes.append(name if not sub else f"{name}:{sub}")
         return tuple(axes), group
     m = _LIST_GROUPS.search(line)
     if m:
-        return (), len([x for x in m.group(1).split(",") if x])
+        ids = [int(x) for x in m.group(1).split(",") if x]
+        return _spanned(ids, mesh), len(ids)
+    m = _IOTA_GROUPS.search(line)
+    if m:  # [groups, size]<=[dims]T(perm): iota over dims, transposed, cut into groups
+        n_groups, size = int(m.group(1)), int(m.group(2))
+        dims = [int(x) for x in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        first = ids.reshape(n_groups, size)[0].tolist()
+        return _spanned(first, mesh), size
     return (), 1
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of a compiled HLO module (async start/done pairs counted once)."""
+def _spanned(ids: list[int], mesh) -> tuple[str, ...]:
+    """The mesh axes along which a group of flat device positions varies."""
+    if not mesh:
+        return ()
+    coords = []
+    for i in ids:
+        c = []
+        for _, size in reversed(mesh):
+            c.append(i % size)
+            i //= size
+        coords.append(c[::-1])
+    return tuple(name for k, (name, _) in enumerate(mesh) if len({c[k] for c in coords}) > 1)
+
+
+def collectives(hlo_text: str, mesh=None) -> list[Collective]:
+    """Every collective of a compiled HLO module (async start/done pairs counted once).
+
+    Args:
+      mesh: the program's mesh axes ``((name, size), ...)``, to name the axes of groups
+        XLA prints as device lists or with anonymous axis names.
+    """
     instrs = {}
     users = defaultdict(list)
     for line in hlo_text.splitlines():
@@ -86,10 +126,12 @@ def collectives(hlo_text: str) -> list[Collective]:
         kind = opcode.removesuffix("-start")
         if kind not in KINDS or opcode.endswith("-done"):
             continue
-        axes, group = _group(line)
+        axes, group = _group(line, mesh)
         op = _OP_NAME.search(line)
         op_name = op.group(1) if op else ""
         parts = _tuple_parts(rtype)
+        if kind == "all-to-all" and len(parts) > 1:
+            parts = [rtype]  # one exchange: its tuple holds the n chunks of one buffer
         for i, part in enumerate(parts):
             nbytes, elems = _shape_bytes(part)
             part_kind = kind

@@ -190,6 +190,13 @@ class Trainer:
         b = self._put_batch(batch)
         return self._step_fn.lower(self._params, self._opt_state, self._state, b).compile()
 
+    def comm_table(self):
+        """The collectives the plan implies per step (a :class:`CommTable`): tensor, module
+        path, collective, mesh axes and bytes, derived from the layouts, not from XLA."""
+        from jscaler.compile.comm import comm_table
+
+        return comm_table(self._low, self._m)
+
     def hlo(self, batch) -> str:
         """The compiled HLO text of the training step for this batch."""
         return self.compiled(batch).as_text()

@@ -1,0 +1,254 @@
+"""Materialisation: the collectives a lowered plan implies, derived from its layouts.
+
+Every tensor moves between the layout its producer writes and the layouts its consumers
+read. Comparing the two layouts mesh axis by mesh axis names the data movement:
+
+* an axis that splits the source but not the destination: ``all-gather`` over it;
+* an axis that splits the destination only: a local slice (no communication);
+* an axis that splits a different tensor axis on each side: ``all-to-all``;
+* partial sums over some axes: ``all-reduce``, or ``reduce-scatter`` when the destination
+  is split along those very axes.
+
+The backward pass is the transpose: a consumer that runs split over a mesh axis its input
+is not split over (a column-parallel matmul reading a replicated activation, a
+data-parallel op reading a replicated weight) gets that input's gradient as partial sums
+over the axis, reduced on the way back to the producer's layout (the weight's gradient
+layout for parameters). Recomputed ops repeat their forward movements in the backward pass.
+Optimizer-side movements (gradient -> update layout, parameter -> update layout, new
+parameter -> storage) happen once per step; forward and backward once per micro-batch.
+
+Bytes are per device and follow :mod:`jscaler.compile.hlo`: the gathered result of an
+all-gather, the input of a reduce-scatter, the buffer of an all-reduce or all-to-all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from jscaler.compile.layout import Layout
+from jscaler.ir.graph import Literal
+
+__all__ = ["CommTable", "Transfer", "comm_table", "convert"]
+
+NON_DIFFERENTIABLE = {"stop_gradient", "iota", "random_bits", "random_seed", "random_wrap"}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective: what moves, where in the model, over which mesh axes, how much."""
+
+    phase: str  # forward | backward | recompute | update
+    collective: str  # all-reduce | all-gather | reduce-scatter | all-to-all
+    tensor: int
+    path: str  # module path of the op where it happens
+    axes: tuple[str, ...]
+    bytes: int  # per device, per occurrence
+    times: int = 1  # occurrences per step (micro-batches)
+
+
+@dataclass(frozen=True)
+class CommTable:
+    """The predicted collectives of one training step."""
+
+    rows: tuple[Transfer, ...]
+
+    def summary(self) -> dict[str, tuple[int, int]]:
+        """collective -> (count, bytes) per device per step."""
+        out: dict[str, tuple[int, int]] = {}
+        for r in self.rows:
+            n, b = out.get(r.collective, (0, 0))
+            out[r.collective] = (n + r.times, b + r.bytes * r.times)
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes * r.times for r in self.rows)
+
+    def by_path(self) -> dict[tuple[str, str], int]:
+        """(module path, collective) -> bytes per step."""
+        out: dict[tuple[str, str], int] = defaultdict(int)
+        for r in self.rows:
+            out[(r.path, r.collective)] += r.bytes * r.times
+        return dict(out)
+
+    def format(self, graph=None) -> str:
+        """A readable table, one row per collective."""
+        head = ("phase", "module path", "tensor", "collective", "axes", "KB", "x")
+        data = []
+        for r in self.rows:
+            name = graph.tensors[r.tensor].name if graph is not None else ""
+            data.append(
+                (
+                    r.phase,
+                    r.path or "(root)",
+                    name or str(r.tensor),
+                    r.collective,
+                    ",".join(r.axes),
+                    f"{r.bytes / 1e3:.1f}",
+                    str(r.times),
+                )
+            )
+        widths = [max(len(x) for x in col) for col in zip(head, *data)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in (head, *data)]
+        lines.insert(1, "-" * len(lines[0]))
+        total = self.total_bytes / 1e6
+        lines.append(f"{len(self.rows)} collectives, {total:.2f} MB per device per step")
+        return "\n".join(lines)
+
+
+def _local_bytes(shape, itemsize: int, layout: Layout, sizes: dict[str, int]) -> int:
+    parts = math.prod(sizes[a] for axes in layout.spec for a in axes)
+    return math.prod(shape) * itemsize // parts
+
+
+def _dim_of(layout: Layout, axis: str) -> int | None:
+    for d, axes in enumerate(layout.spec):
+        if axis in axes:
+            return d
+    return None
+
+
+def convert(shape, itemsize: int, src: Layout, dst: Layout, sizes: dict[str, int]):
+    """The collectives taking a reduced tensor from layout ``src`` to ``dst``:
+    ``[(collective, axes, bytes)]`` (slices are free and not listed)."""
+    moved, gathered = [], []
+    for axis in sorted(src.axes_used() | dst.axes_used()):
+        if sizes.get(axis, 1) == 1 or axis in src.partial:
+            continue
+        a, b = _dim_of(src, axis), _dim_of(dst, axis)
+        if a == b or a is None:
+            continue
+        (gathered if b is None else moved).append(axis)
+    out = []
+    local = _local_bytes(shape, itemsize, src, sizes)
+    if moved:
+        out.append(("all-to-all", tuple(moved), local))
+    if gathered:
+        kept = Layout(tuple(tuple(x for x in axes if x not in gathered) for axes in src.spec))
+        out.append(("all-gather", tuple(gathered), _local_bytes(shape, itemsize, kept, sizes)))
+    return out
+
+
+def _reduce(shape, itemsize, layout: Layout, partial, target: Layout, sizes):
+    """The reduction of partial sums over ``partial`` held in ``layout`` towards
+    ``target``: a reduce-scatter when the target splits a tensor axis over exactly those
+    mesh axes (beyond what the layout splits), else an all-reduce."""
+    partial = tuple(a for a in partial if sizes.get(a, 1) > 1)
+    if not partial:
+        return []
+    local = _local_bytes(shape, itemsize, layout, sizes)
+    for d, axes in enumerate(target.spec):
+        extra = tuple(a for a in axes if a not in layout.spec[d])
+        if extra and set(extra) <= set(partial):
+            return [("reduce-scatter", extra, local)] + (
+                [("all-reduce", tuple(a for a in partial if a not in extra), local)]
+                if set(partial) - set(extra)
+                else []
+            )
+    return [("all-reduce", partial, local)]
+
+
+def comm_table(lowered, microbatches: int = 1) -> CommTable:
+    """The collectives one training step under ``lowered`` implies (see module doc)."""
+    from jscaler.compile.lower import SHARD_MAP_PARTIAL, _reduction
+
+    plan = lowered.plan
+    g = plan.pgraph.graph
+    sizes = plan.mesh.shape
+    m = microbatches
+    rows: list[Transfer] = []
+    producer_layout: dict[int, Layout] = {}
+    producer_path: dict[int, str] = {}
+    for t in g.inputs:
+        producer_layout[t] = lowered.storage[t]
+    recomputed = {op_id for grp in plan.recompute for op_id in grp}
+
+    def info(t):
+        tensor = g.tensors[t]
+        return tensor.shape, jnp.dtype(tensor.dtype).itemsize
+
+    def add(phase, kind, t, path, axes, nbytes, times):
+        if nbytes:
+            rows.append(Transfer(phase, kind, t, path, tuple(axes), int(nbytes), times))
+
+    # ---- forward: reductions at producers, conversions at consumers ------------------
+    for op in g.ops:
+        lays = lowered.ops[op.id]
+        phases = [("forward", m)] + ([("recompute", m)] if op.id in recomputed else [])
+        seen = set()
+        for x, lay in zip(op.inputs, lays.inputs):
+            if isinstance(x, Literal) or (x, lay) in seen:
+                continue
+            seen.add((x, lay))
+            shape, isz = info(x)
+            for kind, axes, nbytes in convert(shape, isz, producer_layout[x], lay, sizes):
+                for phase, times in phases:
+                    add(phase, kind, x, op.path, axes, nbytes, times)
+        for t, lay in zip(op.outputs, lays.outputs):
+            producer_path[t] = op.path
+            if not lay.partial:
+                producer_layout[t] = lay
+                continue
+            how, axes, _, final = _reduction(lowered, t, lay)
+            if op.primitive not in SHARD_MAP_PARTIAL:
+                final = lowered.targets.get(t, lay.reduced)
+            shape, isz = info(t)
+            for kind, ax, nbytes in _reduce(shape, isz, lay.reduced, lay.partial, final, sizes):
+                for phase, times in phases:
+                    add(phase, kind, t, op.path, ax, nbytes, times)
+            producer_layout[t] = final
+
+    # ---- backward: partial cotangents reduced towards the producer's layout ----------
+    needs = _differentiable(g)
+    grad_target = {t: lowered.grad[t] for t in lowered.grad}
+    for op in g.ops:
+        if op.primitive in NON_DIFFERENTIABLE or not any(t in needs for t in op.outputs):
+            continue
+        lays = lowered.ops[op.id]
+        op_axes = set()
+        for lay in (*lays.inputs, *lays.outputs):
+            if lay is not None:
+                op_axes |= lay.axes_used()
+        seen = set()
+        for x, lay in zip(op.inputs, lays.inputs):
+            if isinstance(x, Literal) or x not in needs or (x, lay) in seen:
+                continue
+            seen.add((x, lay))
+            shape, isz = info(x)
+            target = grad_target.get(x, producer_layout[x])
+            partial = tuple(sorted(op_axes - lay.axes_used()))
+            red = _reduce(shape, isz, lay, partial, target, sizes)
+            for kind, axes, nbytes in red:
+                add("backward", kind, x, op.path, axes, nbytes, m)
+            after = lay
+            if red and red[0][0] == "reduce-scatter":
+                after = target
+            for kind, axes, nbytes in convert(shape, isz, after, target, sizes):
+                add("backward", kind, x, op.path, axes, nbytes, m)
+
+    # ---- optimizer: gradient and parameter to the update layout, back to storage ----
+    for t in lowered.update:
+        shape, isz = info(t)
+        upd, stored, grad = lowered.update[t], lowered.storage[t], lowered.grad[t]
+        name = g.tensors[t].name
+        for src, dst in ((grad, upd), (stored, upd), (upd, stored)):
+            for kind, axes, nbytes in convert(shape, isz, src, dst, sizes):
+                add("update", kind, t, name, axes, nbytes, 1)
+    return CommTable(tuple(rows))
+
+
+def _differentiable(g) -> set[int]:
+    """Tensors whose gradient the backward pass computes: floats downstream of a param."""
+    needs = {t for t in g.inputs if g.tensors[t].role == "param"}
+    for op in g.ops:
+        if op.primitive in NON_DIFFERENTIABLE:
+            continue
+        if any(not isinstance(x, Literal) and x in needs for x in op.inputs):
+            for t in op.outputs:
+                if jnp.issubdtype(jnp.dtype(g.tensors[t].dtype), jnp.inexact):
+                    needs.add(t)
+    return needs
