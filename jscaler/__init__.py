@@ -11,6 +11,8 @@ The public API, exported once here::
     trainer = jscaler.parallelize(model, loss_fn, optax.sgd(0.1), batch, plan=plan)
 """
 
+from jscaler.compile.attention import AttentionRegion as AttentionRegion
+from jscaler.compile.attention import find_attention as find_attention
 from jscaler.errors import AnnotationError as AnnotationError
 from jscaler.errors import AssignmentError as AssignmentError
 from jscaler.errors import CoverageError as CoverageError
@@ -38,9 +40,11 @@ from jscaler.plan import DimClasses as DimClasses
 from jscaler.plan import MeshSpec as MeshSpec
 from jscaler.plan import Node as Node
 from jscaler.plan import Plan as Plan
+from jscaler.plan import Region as Region
 from jscaler.plan import SubOp as SubOp
 from jscaler.plan import data_parallel as data_parallel
 from jscaler.plan import decouple as decouple
+from jscaler.plan import manual as manual
 from jscaler.plan import op_assign as op_assign
 from jscaler.plan import op_order as op_order
 from jscaler.plan import op_trans as op_trans
@@ -57,6 +61,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Annotation",
     "AnnotationError",
+    "AttentionRegion",
     "AssignmentError",
     "Coverage",
     "CoverageError",
@@ -74,6 +79,7 @@ __all__ = [
     "PTensor",
     "Plan",
     "PlanError",
+    "Region",
     "Space",
     "SplitError",
     "SubOp",
@@ -85,6 +91,8 @@ __all__ = [
     "check_annotations",
     "data_parallel",
     "decouple",
+    "find_attention",
+    "manual",
     "op_assign",
     "op_order",
     "op_trans",

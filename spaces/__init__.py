@@ -6,9 +6,16 @@ command line accepts (``--plan "megatron(tp=2, dp=4)"``) to the functions making
 
 from spaces.dp import dp
 from spaces.megatron import megatron
-from spaces.sequence import ulysses
+from spaces.sequence import ring, ulysses, usp
 from spaces.zero import zero
 
-SPACES = {"dp": dp, "megatron": megatron, "ulysses": ulysses, "zero": zero}
+SPACES = {
+    "dp": dp,
+    "megatron": megatron,
+    "ring": ring,
+    "ulysses": ulysses,
+    "usp": usp,
+    "zero": zero,
+}
 
-__all__ = ["SPACES", "dp", "megatron", "ulysses", "zero"]
+__all__ = ["SPACES", "dp", "megatron", "ring", "ulysses", "usp", "zero"]

@@ -1,4 +1,4 @@
-"""Sequence parallelism for long sequences: Ulysses (all-to-all heads <-> sequence).
+"""Sequence parallelism for long sequences: Ulysses, ring attention, and USP (both).
 
 Every activation is split along the sequence over an ``sp`` mesh axis, parameters are
 replicated (their gradients all-reduced over dp and sp together). Attention needs every
@@ -12,6 +12,14 @@ The attention core is found from the graph, not from names: the op that carries 
 sequence class twice (queries and keys of the score matmul) marks attention, and its
 output dims that are neither batch nor sequence are the heads. Ops reading a parameter
 (the q/k/v/o projections) stay split by sequence, so the weights never need splitting.
+
+Ring attention (``ring(sp)``) keeps the sequence split through attention too: the
+attention subgraph becomes a manual region (``manual("ring_attention", "sp")``) in which
+each device keeps its queries and passes key/value blocks around the ring, folding them
+into an online softmax; no device ever holds the whole sequence. USP
+(``usp(ulysses=u, ring=r)``) nests the two on a 2-D sequence mesh: the sequence is split
+over ``ring`` (major) and ``uly`` (minor); around attention an all-to-all over ``uly``
+trades the minor sequence split for heads, and the ring runs over ``ring``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from jscaler.plan import (
     Plan,
     assign_mesh,
     batch_axes,
+    manual,
+    op_trans,
     recompute_layers,
     split_classes,
 )
@@ -122,3 +132,95 @@ def ulysses(
     the sequence, attention by heads, all-to-all between) times data parallelism ``dp``
     (inferred as devices / sp when not given)."""
     return Ulysses(sp, dp, recompute, precision)
+
+
+def _ring_plan(graph, n_devices, *, ring: int, uly: int, dp, space: str, name: str) -> Plan:
+    """Sequence split over ``ring`` x ``uly`` (ring major), attentions as ring regions over
+    ``ring`` and, when ``uly`` > 1, split by heads over ``uly`` (Ulysses inside)."""
+    dp = _infer_dp(n_devices, ring * uly, 1, dp, space)
+    axes = {"dp": dp, "ring": ring} | ({"uly": uly} if uly > 1 else {})
+    plan = Plan.create(graph, MeshSpec.create(**axes), name=name.format(dp=dp))
+    classes = DimClasses(plan.pgraph.graph)
+    plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
+    seq = sequence_axes(graph)
+    attentions = jscaler.find_attention(graph)
+    if not attentions:
+        raise jscaler.PlanError(
+            f"{space}: found no attention to run as a ring (softmax(q k^T * scale [+ "
+            f"constant causal mask]) v over a sequence axis); use ulysses(), dp() or zero()"
+        )
+    _check_sequence(graph, seq, ring * uly)
+    inside = {o for a in attentions for o in a.ops}
+    batch_roots = {classes.of(*b) for b in batch_axes(graph)}
+
+    def activations(op, dim):
+        return op.id not in inside and any(classes.dim_of(op, r) for r in batch_roots)
+
+    plan = split_classes(plan, seq, ring, classes=classes, choose=activations)
+    levels = ["dp", "ring"]
+    if uly > 1:
+        heads, scores = attention_heads(graph, classes)
+        _check_divides(graph, heads, scores, uly, "ulysses")
+        head_roots = {classes.of(*h) for h in heads}
+
+        def choose(op, dim):
+            if any(classes.dim_of(op, r) == dim for r in head_roots):
+                return not any(_param_source(graph, x) is not None for x in op.tensor_inputs)
+            return activations(op, dim)
+
+        plan = split_classes(plan, heads + seq, uly, classes=classes, choose=choose)
+        levels.append("uly")
+    plan = assign_mesh(plan, levels)
+    for a in attentions:
+        plan, _ = op_trans(plan, a.ops, manual("ring_attention", "ring"))
+    return plan
+
+
+@dataclass(frozen=True)
+class Ring:
+    sp: int = 1
+    dp: int | None = None
+    recompute: float = 0
+    precision: str = "fp32"
+
+    def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
+        name = f"ring(sp={self.sp}, dp={{dp}})"
+        plan = _ring_plan(
+            graph, n_devices, ring=self.sp, uly=1, dp=self.dp, space="ring", name=name
+        )
+        return recompute_layers(plan, self.recompute)
+
+
+@dataclass(frozen=True)
+class USP:
+    ulysses: int = 1
+    ring: int = 1
+    dp: int | None = None
+    recompute: float = 0
+    precision: str = "fp32"
+
+    def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
+        name = f"usp(ulysses={self.ulysses}, ring={self.ring}, dp={{dp}})"
+        plan = _ring_plan(
+            graph, n_devices, ring=self.ring, uly=self.ulysses, dp=self.dp, space="usp",
+            name=name,
+        )  # fmt: skip
+        return recompute_layers(plan, self.recompute)
+
+
+def ring(sp: int = 1, dp: int | None = None, recompute: float = 0, precision: str = "fp32") -> Ring:
+    """Ring attention sequence parallelism of degree ``sp`` (the sequence stays split
+    through attention; key/value blocks travel around the ring) times data parallelism."""
+    return Ring(sp, dp, recompute, precision)
+
+
+def usp(
+    ulysses: int = 1,
+    ring: int = 1,
+    dp: int | None = None,
+    recompute: float = 0,
+    precision: str = "fp32",
+) -> USP:
+    """Unified sequence parallelism: Ulysses of degree ``ulysses`` inside ring attention of
+    degree ``ring`` on a 2-D sequence mesh, times data parallelism ``dp``."""
+    return USP(ulysses, ring, dp, recompute, precision)

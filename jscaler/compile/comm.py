@@ -42,7 +42,7 @@ class Transfer:
     """One collective: what moves, where in the model, over which mesh axes, how much."""
 
     phase: str  # forward | backward | recompute | update
-    collective: str  # all-reduce | all-gather | reduce-scatter | all-to-all
+    collective: str  # all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute
     tensor: int
     path: str  # module path of the op where it happens
     axes: tuple[str, ...]
@@ -177,6 +177,14 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
 
     # ---- forward: reductions at producers, conversions at consumers ------------------
     for op in g.ops:
+        region = lowered.regions.get(op.id)
+        if region is not None:
+            if op.id == region.last:
+                _region_rows(region, lowered, producer_layout, add, info, m)
+                producer_layout[region.attention.out] = region.layouts(
+                    lowered, producer_layout[region.attention.q]
+                )[region.attention.out]
+            continue
         lays = lowered.ops[op.id]
         phases = [("forward", m)] + ([("recompute", m)] if op.id in recomputed else [])
         seen = set()
@@ -208,6 +216,8 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
     for op in g.ops:
         if op.primitive in NON_DIFFERENTIABLE or not any(t in needs for t in op.outputs):
             continue
+        if op.id in lowered.regions:
+            continue  # counted with the region
         lays = lowered.ops[op.id]
         op_axes = set()
         for lay in (*lays.inputs, *lays.outputs):
@@ -239,6 +249,28 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
             for kind, axes, nbytes in convert(shape, isz, src, dst, sizes):
                 add("update", kind, t, name, axes, nbytes, 1)
     return CommTable(tuple(rows))
+
+
+def _region_rows(region, lowered, producer_layout, add, info, m) -> None:
+    """Ring attention: q, k, v converted into the region's layout (and their gradients
+    back), then n-1 hops of the key and value blocks around the ring each way."""
+    att, axis = region.attention, region.region.axis
+    sizes = lowered.plan.mesh.shape
+    lays = region.layouts(lowered, producer_layout[att.q])
+    path = region.attention.path
+    for t in (att.q, att.k, att.v):
+        shape, isz = info(t)
+        src = producer_layout[t]
+        for kind, axes, nbytes in convert(shape, isz, src, lays[t], sizes):
+            add("forward", kind, t, path, axes, nbytes, m)
+        for kind, axes, nbytes in convert(shape, isz, lays[t], src, sizes):
+            add("backward", kind, t, path, axes, nbytes, m)
+    hops = sizes[axis] - 1
+    for t in (att.k, att.v):
+        shape, isz = info(t)
+        nbytes = _local_bytes(shape, isz, lays[t], sizes)
+        add("forward", "collective-permute", t, path, (axis,), nbytes, m * hops)
+        add("backward", "collective-permute", t, path, (axis,), nbytes, m * hops)
 
 
 def _differentiable(g) -> set[int]:

@@ -28,6 +28,7 @@ _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -66,8 +67,9 @@ def _group(line: str, mesh) -> tuple[tuple[str, ...], int]:
         declared = [(a, int(s)) for a, s, _, _ in _AXIS.findall(m.group(1)) if s]
         sizes = dict(declared)
         rename = {}
-        if mesh and [s for _, s in declared] == [s for _, s in mesh]:
-            rename = {a: n for (a, _), (n, _) in zip(declared, mesh)}
+        named = [(n, size) for n, size in mesh or () if size > 1]
+        if named and [s for _, s in declared] == [s for _, s in named]:
+            rename = {a: n for (a, _), (n, _) in zip(declared, named)}
         axes, group = [], 1
         for name, _, _, sub in _AXIS.findall(m.group(2)):
             group *= int(sub) if sub else sizes.get(name, 1)
@@ -78,6 +80,15 @@ def _group(line: str, mesh) -> tuple[tuple[str, ...], int]:
     if m:
         ids = [int(x) for x in m.group(1).split(",") if x]
         return _spanned(ids, mesh), len(ids)
+    m = _PAIRS.search(line)
+    if m:  # collective-permute: the axes along which sources and targets differ
+        pairs = [
+            tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", m.group(1))
+        ]
+        axes = set()
+        for a, b in pairs:
+            axes.update(_spanned([a, b], mesh))
+        return tuple(n for n, _ in mesh or () if n in axes), 2
     m = _IOTA_GROUPS.search(line)
     if m:  # [groups, size]<=[dims]T(perm): iota over dims, transposed, cut into groups
         n_groups, size = int(m.group(1)), int(m.group(2))

@@ -18,7 +18,7 @@ threefry is partitionable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -26,6 +26,7 @@ from jax._src import source_info_util
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jscaler.compile.layout import Layout, layout_of, replicated
+from jscaler.compile.regions import manual_regions
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Literal, Op
 from jscaler.plan.pieces import op_pieces
@@ -53,6 +54,7 @@ class Lowered:
     targets: dict[int, Layout]  # tensor -> the layout its consumers agree on (reduced)
     grad: dict[int, Layout]  # param tensor -> gradient layout
     update: dict[int, Layout]  # param tensor -> optimizer update / state layout
+    regions: dict = field(default_factory=dict)  # op id -> ManualRegion it belongs to
 
     def sharding(self, layout: Layout) -> NamedSharding:
         return NamedSharding(self.mesh, layout.pspec())
@@ -96,7 +98,8 @@ def lower(plan: Plan, devices) -> Lowered:
                 table[param] = _op_layouts(plan, vop).outputs[0]
             else:
                 table[param] = storage[param]
-    return Lowered(plan, mesh, ops, storage, targets, grad, update)
+    regions = manual_regions(plan)
+    return Lowered(plan, mesh, ops, storage, targets, grad, update, regions)
 
 
 def _op_layouts(plan: Plan, op: Op) -> OpLayouts:
@@ -178,28 +181,29 @@ def _run_checkpointed(low: Lowered, ops, env, have):
     needed = list(dict.fromkeys(needed))
     outputs = list(produced)
 
-    def segment(*vals):
+    layouts = {}
+
+    def values_only(*vals):
         local_env = dict(zip(needed, vals))
         local_have = {t: have[t] for t in needed if t in have}
         for o in ops:
             _run_op(low, o, local_env, local_have)
-        return [local_env[t] for t in outputs], [local_have[t] for t in outputs]
-
-    layouts = {}
-
-    def values_only(*vals):
-        outs, lays = segment(*vals)
-        layouts["out"] = lays
-        return outs
+        made = [t for t in outputs if t in local_env]  # a manual region skips its insides
+        layouts["names"], layouts["out"] = made, [local_have[t] for t in made]
+        return [local_env[t] for t in made]
 
     outs = jax.checkpoint(values_only)(*[env[t] for t in needed])
-    env.update(zip(outputs, outs))
-    have.update(zip(outputs, layouts["out"]))
+    env.update(zip(layouts["names"], outs))
+    have.update(zip(layouts["names"], layouts["out"]))
 
 
 def _run_op(low: Lowered, op: Op, env, have):
+    region = low.regions.get(op.id)
     with source_info_util.extend_name_stack(op.path or "root"):
-        _run_op_named(low, op, env, have)
+        if region is None:
+            _run_op_named(low, op, env, have)
+        elif op.id == region.last:  # its inputs are all computed by now
+            region.run(low, env, have)
 
 
 def _run_op_named(low: Lowered, op: Op, env, have):

@@ -16,9 +16,11 @@ from jscaler.plan.pieces import Piece as Piece
 from jscaler.plan.pieces import op_pieces as op_pieces
 from jscaler.plan.plan import Node as Node
 from jscaler.plan.plan import Plan as Plan
+from jscaler.plan.plan import Region as Region
 from jscaler.plan.plan import SubOp as SubOp
 from jscaler.plan.primitives import Algorithm as Algorithm
 from jscaler.plan.primitives import decouple as decouple
+from jscaler.plan.primitives import manual as manual
 from jscaler.plan.primitives import op_assign as op_assign
 from jscaler.plan.primitives import op_order as op_order
 from jscaler.plan.primitives import op_trans as op_trans

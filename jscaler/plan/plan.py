@@ -24,7 +24,10 @@ from jscaler.ir.graph import Graph
 from jscaler.plan.augment import PlanGraph, augment
 from jscaler.plan.mesh import MeshSpec
 
-__all__ = ["Node", "Plan", "SubOp", "graph_fingerprint"]
+__all__ = ["REGION_KINDS", "Node", "Plan", "Region", "SubOp", "graph_fingerprint"]
+
+# Manual regions the lowering knows how to run (``jscaler.compile`` holds their kernels).
+REGION_KINDS = ("ring_attention",)
 
 PLAN_FORMAT = 1
 
@@ -101,6 +104,29 @@ class Node:
         return cls(d["algo"], d.get("dim"), tuple(cls.from_json(c) for c in d["children"]))
 
 
+@dataclass(frozen=True)
+class Region:
+    """A subgraph lowered by hand (``shard_map`` with explicit collectives) instead of by
+    layouts: ``kind`` names the kernel, ``ops`` the ops it replaces, ``axis`` the mesh axis
+    it runs its collectives over (e.g. the ring of ring attention)."""
+
+    kind: str
+    ops: tuple[int, ...]
+    axis: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "ops", tuple(sorted(int(o) for o in self.ops)))
+        if self.kind not in REGION_KINDS:
+            raise PlanError(
+                f"unknown manual region kind {self.kind!r}; known kinds: {list(REGION_KINDS)}"
+            )
+        if not self.ops:
+            raise PlanError(f"a {self.kind} region needs at least one op")
+
+    def to_json(self):
+        return {"kind": self.kind, "ops": list(self.ops), "axis": self.axis}
+
+
 def graph_fingerprint(graph: Graph) -> str:
     """A stable hash of what a plan depends on: ops, annotations, shapes, param names."""
     h = hashlib.sha256()
@@ -128,6 +154,7 @@ class Plan:
     recompute: tuple[tuple[int, ...], ...] = ()
     fingerprint: str = ""
     name: str = ""
+    regions: tuple[Region, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "trees", MappingProxyType(dict(self.trees)))
@@ -149,6 +176,7 @@ class Plan:
             self.identities,
             self.orders,
             self.recompute,
+            self.regions,
         )
 
     def __eq__(self, other):
@@ -167,6 +195,7 @@ class Plan:
             recompute=self.recompute,
             fingerprint=self.fingerprint,
             name=self.name,
+            regions=self.regions,
         )
         fields.update(changes)
         new = Plan(**fields)
@@ -191,6 +220,10 @@ class Plan:
     def devices_of(self, op_id: int) -> tuple[int | None, ...]:
         return tuple(leaf.device for _, leaf in self.tree(op_id).leaves())
 
+    def region_of(self, op_id: int) -> Region | None:
+        """The manual region an op belongs to, if any."""
+        return next((r for r in self.regions if op_id in r.ops), None)
+
     def is_recomputed(self, op_id: int) -> bool:
         return any(op_id in g for g in self.recompute)
 
@@ -213,6 +246,7 @@ class Plan:
             "identities": list(self.identities),
             "orders": [[[a.op, list(a.path)], [b.op, list(b.path)]] for a, b in self.orders],
             "recompute": [list(g) for g in self.recompute],
+            "regions": [r.to_json() for r in self.regions],
         }
         return json.dumps(data, indent=1, sort_keys=True)
 
@@ -234,6 +268,7 @@ class Plan:
             tuple(tuple(g) for g in data["recompute"]),
             fp,
             data.get("name", ""),
+            tuple(Region(r["kind"], tuple(r["ops"]), r["axis"]) for r in data.get("regions", [])),
         )
 
 

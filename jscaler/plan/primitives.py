@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from jscaler.errors import AssignmentError, PlanError, SplitError
 from jscaler.ir.graph import Graph, Op, Tensor
 from jscaler.plan.classes import DimClasses
-from jscaler.plan.plan import Node, Plan, SubOp
+from jscaler.plan.plan import Node, Plan, Region, SubOp
 
 __all__ = [
     "Algorithm",
     "decouple",
+    "manual",
     "op_assign",
     "op_order",
     "op_trans",
@@ -75,6 +76,13 @@ def decouple() -> Algorithm:
     return Algorithm("decouple")
 
 
+def manual(kind: str, axis: str) -> Algorithm:
+    """Lower the target subgraph by hand: a ``shard_map`` region running kernel ``kind``
+    (``"ring_attention"``: blockwise attention passing keys and values around mesh axis
+    ``axis``) in place of its ops, which keep their pieces for validation."""
+    return Algorithm("manual", (kind, axis))
+
+
 # ---- op_trans ------------------------------------------------------------------------
 
 
@@ -84,6 +92,20 @@ def op_trans(plan: Plan, target, algo: Algorithm, n: int = 1) -> tuple[Plan, tup
         raise PlanError(f"op_trans: algo must be split(...)/replicate()/..., got {algo!r}")
     if algo.kind == "decouple":
         return _decouple(plan, target)
+    if algo.kind == "manual":
+        kind, axis = algo.dim
+        if axis not in plan.mesh.names:
+            raise PlanError(
+                f"manual({kind!r}, {axis!r}): the plan's mesh ({plan.mesh}) has no axis {axis!r}"
+            )
+        ops = tuple(sorted({s.op for s in _target_ops(plan, target)}))
+        taken = [o for o in ops if plan.region_of(o) is not None]
+        if taken:
+            raise PlanError(
+                f"manual({kind!r}): {plan.pgraph.op(taken[0]).where} is already in a manual region"
+            )
+        region = Region(kind, ops, axis)
+        return plan.evolve(regions=plan.regions + (region,)), tuple(SubOp(o) for o in ops)
     if algo.kind == "recompute":
         ops = _target_ops(plan, target)
         group = tuple(sorted({s.op for s in ops}))
@@ -122,6 +144,8 @@ def _target_ops(plan: Plan, target) -> list[SubOp]:
     """The leaf sub-ops a target names."""
     if isinstance(target, Graph):
         ops = [o.id for o in target.ops]
+    elif isinstance(target, tuple | list | frozenset | set):
+        ops = [getattr(o, "id", o) for o in target]
     elif isinstance(target, Op):
         ops = [target.id]
     elif isinstance(target, SubOp):
