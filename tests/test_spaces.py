@@ -4,6 +4,8 @@ Parity: SGD, 3 steps; loss, gradients and updated params per leaf within
 |a-b| <= 1e-5*|b| + 1e-7*max|b| (fp32).
 """
 
+import re
+
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -133,3 +135,27 @@ def test_zero3_with_recompute_half_matches_one_device():
 def test_recompute_needs_repeated_layers():
     with pytest.raises(jscaler.PlanError, match="no repeated layers"):
         assert_parity("mlp-tiny", dp(recompute=0.5))
+
+
+def test_zero3_gathers_each_layer_one_layer_ahead_of_its_use():
+    """FSDP's prefetch, read from the scheduled HLO: the all-gathers of layer i+1's
+    parameters run after layer i-1's compute and before layer i's (on CPU the overlap
+    itself cannot be timed, so the order is what is tested)."""
+    spec = models.get("gpt-tiny")
+    trainer = assert_parity("gpt-tiny", zero(3))
+    text = trainer.hlo(spec.batch(8, 0))
+    events = []
+    for line in text[text.index("ENTRY") :].splitlines():
+        name = re.search(r'op_name="([^"]*)"', line)
+        name = name.group(1) if name else ""
+        if re.search(r"= \S+ all-gather(-start)?\(", line):
+            events.append("G")
+        elif "transpose" not in name and re.search(r"blocks/(\d+)/attn/q_proj\)/dot_general", name):
+            events.append(re.search(r"blocks/(\d+)/", name).group(1))
+    layers = [e for e in events if e != "G"]
+    assert layers == ["0", "1", "2", "3"]
+    between = "".join(events).split("0", 1)[1]  # after layer 0's compute
+    per_layer = 9  # norm1, q, k, v, o, norm2, gate, up, down
+    assert between.split("1")[0] == "G" * per_layer  # layer 2's, during layer 1
+    assert between.split("1")[1].split("2")[0] == "G" * per_layer  # layer 3's, during 2
+    assert "G" not in between.split("2")[1]  # nothing left to fetch for layer 3

@@ -55,6 +55,7 @@ class Lowered:
     grad: dict[int, Layout]  # param tensor -> gradient layout
     update: dict[int, Layout]  # param tensor -> optimizer update / state layout
     regions: dict = field(default_factory=dict)  # op id -> ManualRegion it belongs to
+    prefetch: dict = field(default_factory=dict)  # op id -> Prefetch to run before it
 
     def sharding(self, layout: Layout) -> NamedSharding:
         return NamedSharding(self.mesh, layout.pspec())
@@ -99,7 +100,46 @@ def lower(plan: Plan, devices) -> Lowered:
             else:
                 table[param] = storage[param]
     regions = manual_regions(plan)
-    return Lowered(plan, mesh, ops, storage, targets, grad, update, regions)
+    prefetch = _prefetch_schedule(plan)
+    return Lowered(plan, mesh, ops, storage, targets, grad, update, regions, prefetch)
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Gather the next layer's stored parameters while this layer runs (FSDP's prefetch):
+    ``identities`` run when the layer reading ``carriers`` starts, not earlier, not later."""
+
+    identities: tuple[Op, ...]
+    carriers: tuple[int, ...]
+
+
+def _prefetch_schedule(plan: Plan) -> dict[int, Prefetch]:
+    """First op of layer i -> the identity ops (ZeRO-3 gathers) of layer i+1.
+
+    Left to itself XLA's scheduler may issue every gather at the start of the step, so every
+    full parameter is alive before the first layer runs. Recomputed layers keep their
+    gathers where they are (inside the recomputed segment)."""
+    g = plan.pgraph.graph
+    identities = {o.id for o in g.ops if o.kind == "identity"}
+    if not identities:
+        return {}
+    layers = g.layers()
+    inputs = set(g.inputs)
+    out = {}
+    for cur, nxt in zip(layers, layers[1:]):
+        ops = [o for o in nxt.graph.ops if o.id in identities]
+        if not ops or any(plan.is_recomputed(o.id) for o in (*cur.graph.ops, *nxt.graph.ops)):
+            continue
+        inside = {o.id for o in cur.graph.ops}
+        carriers = []
+        for o in cur.graph.ops:
+            for x in o.tensor_inputs:
+                p = g.producer(x)
+                if x not in inputs and p is not None and p.id not in inside:
+                    carriers.append(x)
+        if carriers:
+            out[cur.graph.ops[0].id] = Prefetch(tuple(ops), tuple(dict.fromkeys(carriers)))
+    return out
 
 
 def _op_layouts(plan: Plan, op: Op) -> OpLayouts:
@@ -150,13 +190,34 @@ def _run(low: Lowered, flat_inputs):
         env[t] = v
         have[t] = low.storage[t]
     segments = _segments(low.plan, g.ops)
+    done: set[int] = set()
     for recompute, ops in segments:
         if recompute:
             _run_checkpointed(low, ops, env, have)
-        else:
-            for op in ops:
+            continue
+        for op in ops:
+            if op.id in low.prefetch:
+                _run_prefetch(low, low.prefetch[op.id], env, have, done)
+            if op.id not in done:
                 _run_op(low, op, env, have)
     return [x.value if isinstance(x, Literal) else env[x] for x in g.outputs]
+
+
+def _run_prefetch(low: Lowered, pre: Prefetch, env, have, done: set[int]) -> None:
+    """Runs the next layer's gathers between two optimization barriers tied to this
+    layer's inputs: they start once the layer's inputs exist and finish before it runs."""
+    barrier = jax.lax.optimization_barrier
+    stored = [op.inputs[0] for op in pre.identities]
+    carried = [env[t] for t in pre.carriers]
+    vals, carried = barrier(([env[t] for t in stored], carried))
+    for op, t, v in zip(pre.identities, stored, vals):
+        env[t] = v
+        _run_op(low, op, env, have)
+        done.add(op.id)
+    outs = [op.outputs[0] for op in pre.identities]
+    vals, carried = barrier(([env[t] for t in outs], carried))
+    env.update(zip(outs, vals))
+    env.update(zip(pre.carriers, carried))
 
 
 def _segments(plan: Plan, ops):

@@ -98,7 +98,8 @@ def augment(base: Graph, identities: tuple[int, ...]) -> PlanGraph:
         consumers = [i for i, o in enumerate(ops) if t in o.tensor_inputs]
         at = consumers[0] if consumers else len(ops)
         producer = next((o for o in ops if t in o.outputs), None)
-        path = producer.path if producer is not None else ""
+        # named after its first consumer: a stored parameter is gathered for that module
+        path = ops[at].path if consumers else producer.path if producer is not None else ""
         ident = Op(
             next_op, "identity", (t,), (new.id,), path, _bound(src.shape, 1), 0.0, "identity"
         )
