@@ -39,6 +39,7 @@ from jscaler.plan import (
     split_classes,
 )
 from spaces.megatron import _infer_dp, _param_source, sequence_axes
+from spaces.zero import zero_over
 
 
 def attention_heads(graph: jscaler.Graph, classes: DimClasses):
@@ -74,6 +75,7 @@ class Ulysses:
     dp: int | None = None
     recompute: float = 0
     precision: str = "fp32"
+    zero: int = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
         dp = _infer_dp(n_devices, self.sp, 1, self.dp, "ulysses")
@@ -100,7 +102,8 @@ class Ulysses:
             return any(classes.dim_of(op, r) for r in batch_roots)
 
         plan = split_classes(plan, heads + seq, self.sp, classes=classes, choose=choose)
-        return recompute_layers(assign_mesh(plan, ["dp", "sp"]), self.recompute)
+        plan = zero_over(assign_mesh(plan, ["dp", "sp"]), graph, self.zero)
+        return recompute_layers(plan, self.recompute)
 
 
 def _check_divides(graph, heads, scores, n, knob):
@@ -126,12 +129,12 @@ def _check_sequence(graph, seq, n):
 
 
 def ulysses(
-    sp: int = 1, dp: int | None = None, recompute: float = 0, precision: str = "fp32"
+    sp: int = 1, dp: int | None = None, recompute: float = 0, precision: str = "fp32", zero=0
 ) -> Ulysses:
     """DeepSpeed-Ulysses sequence parallelism of degree ``sp`` (activations split along
     the sequence, attention by heads, all-to-all between) times data parallelism ``dp``
-    (inferred as devices / sp when not given)."""
-    return Ulysses(sp, dp, recompute, precision)
+    (inferred as devices / sp when not given); ``zero`` = ZeRO stage over dp."""
+    return Ulysses(sp, dp, recompute, precision, zero)
 
 
 def _ring_plan(graph, n_devices, *, ring: int, uly: int, dp, space: str, name: str) -> Plan:
@@ -182,13 +185,14 @@ class Ring:
     dp: int | None = None
     recompute: float = 0
     precision: str = "fp32"
+    zero: int = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
         name = f"ring(sp={self.sp}, dp={{dp}})"
         plan = _ring_plan(
             graph, n_devices, ring=self.sp, uly=1, dp=self.dp, space="ring", name=name
         )
-        return recompute_layers(plan, self.recompute)
+        return recompute_layers(zero_over(plan, graph, self.zero), self.recompute)
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,7 @@ class USP:
     dp: int | None = None
     recompute: float = 0
     precision: str = "fp32"
+    zero: int = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
         name = f"usp(ulysses={self.ulysses}, ring={self.ring}, dp={{dp}})"
@@ -205,13 +210,16 @@ class USP:
             graph, n_devices, ring=self.ring, uly=self.ulysses, dp=self.dp, space="usp",
             name=name,
         )  # fmt: skip
-        return recompute_layers(plan, self.recompute)
+        return recompute_layers(zero_over(plan, graph, self.zero), self.recompute)
 
 
-def ring(sp: int = 1, dp: int | None = None, recompute: float = 0, precision: str = "fp32") -> Ring:
+def ring(
+    sp: int = 1, dp: int | None = None, recompute: float = 0, precision: str = "fp32", zero=0
+) -> Ring:
     """Ring attention sequence parallelism of degree ``sp`` (the sequence stays split
-    through attention; key/value blocks travel around the ring) times data parallelism."""
-    return Ring(sp, dp, recompute, precision)
+    through attention; key/value blocks travel around the ring) times data parallelism;
+    ``zero`` = ZeRO stage over dp."""
+    return Ring(sp, dp, recompute, precision, zero)
 
 
 def usp(
@@ -220,7 +228,9 @@ def usp(
     dp: int | None = None,
     recompute: float = 0,
     precision: str = "fp32",
+    zero: int = 0,
 ) -> USP:
     """Unified sequence parallelism: Ulysses of degree ``ulysses`` inside ring attention of
-    degree ``ring`` on a 2-D sequence mesh, times data parallelism ``dp``."""
-    return USP(ulysses, ring, dp, recompute, precision)
+    degree ``ring`` on a 2-D sequence mesh, times data parallelism ``dp``; ``zero`` = ZeRO
+    stage over dp."""
+    return USP(ulysses, ring, dp, recompute, precision, zero)

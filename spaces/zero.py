@@ -21,6 +21,7 @@ from jscaler.plan import (
     decouple,
     op_trans,
     recompute_layers,
+    replicate,
     split,
     split_classes,
 )
@@ -53,11 +54,15 @@ class Zero:
         return recompute_layers(plan, self.recompute)
 
 
-def shard_params(plan: Plan, graph: jscaler.Graph, stage: int, axis: str, *, forward: bool) -> Plan:
+def shard_params(
+    plan: Plan, graph: jscaler.Graph, stage: int, axis: str, *, forward: bool, replicas=()
+) -> Plan:
     """Applies ZeRO's parameter/gradient/optimizer splits over mesh axis ``axis``.
 
     With ``forward``, also splits the forward ops by batch over the same axis and assigns
-    everything (a pure ZeRO-DP plan).
+    everything (a pure ZeRO-DP plan). ``replicas``: the plan's other mesh axes, over which
+    each shard is replicated (ZeRO inside a plan that already uses them, e.g. sequence
+    parallelism over ``sp``).
     """
     n = plan.mesh.shape[axis]
     pg = plan.pgraph
@@ -79,13 +84,32 @@ def shard_params(plan: Plan, graph: jscaler.Graph, stage: int, axis: str, *, for
             ops.append(pg.op(pg.identity_of[t]))
         for op in ops:
             plan, _ = op_trans(plan, op.id, split(letter), n)
+            for other in replicas:
+                plan, _ = op_trans(plan, op.id, replicate(), plan.mesh.shape[other])
             virtual.append(op)
     if forward:
         identities = set(pg.identity_of.values())
         rest = [o for o in pg.graph.ops if o.id not in identities]
         plan = split_classes(plan, batch_axes(graph, n), n, ops=rest, classes=DimClasses(pg.graph))
         plan = assign_mesh(plan, [axis], ops=rest)
-    return assign_mesh(plan, [axis], ops=virtual)
+    return assign_mesh(plan, [axis, *replicas], ops=virtual)
+
+
+def zero_over(plan: Plan, graph: jscaler.Graph, stage: int, axis: str = "dp") -> Plan:
+    """ZeRO stage ``stage`` (0: none) over mesh axis ``axis`` of an existing plan, shards
+    replicated over its other axes."""
+    if stage == 0:
+        return plan
+    if stage not in (1, 2, 3):
+        raise jscaler.PlanError(f"zero={stage!r}: the ZeRO stage must be 0, 1, 2 or 3")
+    if plan.mesh.shape.get(axis, 1) < 2:
+        raise jscaler.PlanError(
+            f"zero={stage} shards over the {axis!r} axis, which has "
+            f"{plan.mesh.shape.get(axis, 1)} device in {plan.name or 'this plan'}; leave "
+            f"devices for {axis} (e.g. dp=2) or drop zero"
+        )
+    replicas = [a for a, size in plan.mesh.axes if a != axis and size > 1]
+    return shard_params(plan, graph, stage, axis, forward=False, replicas=replicas)
 
 
 def _index(pg, t: int) -> int:

@@ -99,3 +99,25 @@ def test_a_manual_region_that_is_not_an_attention_is_a_clear_error():
 def test_ring_needs_an_attention(model):
     with pytest.raises(jscaler.PlanError, match="found no attention to run as a ring"):
         run_plan(model, ring(sp=2), steps=1)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ulysses(sp=4, zero=3),
+        ring(sp=2, dp=4, zero=1),
+        usp(ulysses=2, ring=2, zero=2),
+        ring(sp=4, recompute=0.5),
+    ],
+    ids=str,
+)
+def test_sequence_parallelism_combines_with_zero_and_recompute(plan):
+    trainer = assert_parity("gpt-tiny", plan)
+    if plan.zero == 3:  # weights stored split over dp, replicated over sp
+        specs = {sh.spec for sh in jax.tree_util.tree_leaves(trainer.shardings())}
+        assert P("dp") in specs or P(None, "dp") in specs
+
+
+def test_zero_needs_a_data_parallel_axis():
+    with pytest.raises(jscaler.PlanError, match="shards over the 'dp' axis, which has 1"):
+        run_plan("gpt-tiny", ring(sp=8, zero=1), steps=1)
