@@ -69,6 +69,26 @@ def attention_heads(graph: jscaler.Graph, classes: DimClasses):
     return seeds, scores
 
 
+def _split_heads(plan, graph, classes, n, knob, activations) -> Plan:
+    """One tree level of Ulysses: attention cores split n ways by heads, the projections
+    and every other activation (``activations(op, dim)``) by sequence."""
+    heads, scores = attention_heads(graph, classes)
+    if not scores or not heads:
+        raise jscaler.PlanError(
+            "ulysses: the graph has no attention (an op reading the sequence twice, as "
+            "queries and keys) whose heads could be split; use dp(), megatron() or zero()"
+        )
+    _check_divides(graph, heads, scores, n, knob)
+    head_roots = {classes.of(*h) for h in heads}
+
+    def choose(op, dim):
+        if any(classes.dim_of(op, r) == dim for r in head_roots):
+            return not any(_param_source(graph, x) is not None for x in op.tensor_inputs)
+        return activations(op, dim)
+
+    return split_classes(plan, heads + sequence_axes(graph), n, classes=classes, choose=choose)
+
+
 @dataclass(frozen=True)
 class Ulysses:
     sp: int = 1
@@ -84,24 +104,13 @@ class Ulysses:
         classes = DimClasses(plan.pgraph.graph)
         plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
         seq = sequence_axes(graph)
-        heads, scores = attention_heads(graph, classes)
-        if not scores or not heads:
-            raise jscaler.PlanError(
-                "ulysses: the graph has no attention (an op reading the sequence twice, as "
-                "queries and keys) whose heads could be split; use dp(), megatron() or zero()"
-            )
-        _check_divides(graph, heads, scores, self.sp, "sp")
         _check_sequence(graph, seq, self.sp)
-        head_roots = {classes.of(*h) for h in heads}
         batch_roots = {classes.of(*b) for b in batch_axes(graph)}
 
-        def choose(op, dim):
-            if any(classes.dim_of(op, r) == dim for r in head_roots):
-                return not any(_param_source(graph, x) is not None for x in op.tensor_inputs)
-            # the sequence: only activations (ops that also carry the batch)
+        def activations(op, dim):  # the sequence: only ops that also carry the batch
             return any(classes.dim_of(op, r) for r in batch_roots)
 
-        plan = split_classes(plan, heads + seq, self.sp, classes=classes, choose=choose)
+        plan = _split_heads(plan, graph, classes, self.sp, "sp", activations)
         plan = zero_over(assign_mesh(plan, ["dp", "sp"]), graph, self.zero)
         return recompute_layers(plan, self.recompute)
 
@@ -162,16 +171,7 @@ def _ring_plan(graph, n_devices, *, ring: int, uly: int, dp, space: str, name: s
     plan = split_classes(plan, seq, ring, classes=classes, choose=activations)
     levels = ["dp", "ring"]
     if uly > 1:
-        heads, scores = attention_heads(graph, classes)
-        _check_divides(graph, heads, scores, uly, "ulysses")
-        head_roots = {classes.of(*h) for h in heads}
-
-        def choose(op, dim):
-            if any(classes.dim_of(op, r) == dim for r in head_roots):
-                return not any(_param_source(graph, x) is not None for x in op.tensor_inputs)
-            return activations(op, dim)
-
-        plan = split_classes(plan, heads + seq, uly, classes=classes, choose=choose)
+        plan = _split_heads(plan, graph, classes, uly, "ulysses", activations)
         levels.append("uly")
     plan = assign_mesh(plan, levels)
     for a in attentions:
