@@ -58,7 +58,7 @@ def measure(name, runner, batch, steps: int) -> Row:
 
 
 def default_plans():
-    from spaces import dp, megatron, zero
+    from spaces import dp, megatron, ring, ulysses, usp, zero
 
     return {
         "jscaler dp": dp(),
@@ -67,6 +67,10 @@ def default_plans():
         "jscaler megatron(tp=8, sp)": megatron(tp=8, sp=True),
         "jscaler megatron(tp=4, dp=2)": megatron(tp=4, dp=2),
         "jscaler megatron(tp=4, dp=2, sp)": megatron(tp=4, dp=2, sp=True),
+        "jscaler ulysses(sp=8)": ulysses(sp=8),
+        "jscaler ring(sp=8)": ring(sp=8),
+        "jscaler usp(ulysses=2, ring=4)": usp(ulysses=2, ring=4),
+        "jscaler megatron(tp=8, bf16)": megatron(tp=8, precision="bf16"),
     }
 
 
