@@ -1,5 +1,8 @@
 """Lowering plans to JAX: layouts from pieces, sharding constraints, shard_map regions.
 
+Owns: layouts (``layout.py``), the lowering (``lower.py``), manual regions and their
+kernels (``regions.py``, ``attention.py``: ring attention), the comm table predicted
+from the layouts (``comm.py``) and the reader of compiled collectives (``hlo.py``).
 Imports ``jscaler.ir`` and ``jscaler.plan``.
 """
 
