@@ -154,7 +154,7 @@ def _reduce(shape, itemsize, layout: Layout, partial, target: Layout, sizes):
 
 def comm_table(lowered, microbatches: int = 1) -> CommTable:
     """The collectives one training step under ``lowered`` implies (see module doc)."""
-    from jscaler.compile.lower import SHARD_MAP_PARTIAL, _reduction
+    from jscaler.compile.lower import output_layout
 
     plan = lowered.plan
     g = plan.pgraph.graph
@@ -162,7 +162,6 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
     m = microbatches
     rows: list[Transfer] = []
     producer_layout: dict[int, Layout] = {}
-    producer_path: dict[int, str] = {}
     for t in g.inputs:
         producer_layout[t] = lowered.storage[t]
     recomputed = {op_id for grp in plan.recompute for op_id in grp}
@@ -180,10 +179,8 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
         region = lowered.regions.get(op.id)
         if region is not None:
             if op.id == region.last:
-                _region_rows(region, lowered, producer_layout, add, info, m)
-                producer_layout[region.attention.out] = region.layouts(
-                    lowered, producer_layout[region.attention.q]
-                )[region.attention.out]
+                out = region.attention.out
+                producer_layout[out] = _region_rows(region, lowered, producer_layout, add, info, m)
             continue
         lays = lowered.ops[op.id]
         phases = [("forward", m)] + ([("recompute", m)] if op.id in recomputed else [])
@@ -197,18 +194,14 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
                 for phase, times in phases:
                     add(phase, kind, x, op.path, axes, nbytes, times)
         for t, lay in zip(op.outputs, lays.outputs):
-            producer_path[t] = op.path
+            final = output_layout(lowered, op, t, lay)
+            producer_layout[t] = final
             if not lay.partial:
-                producer_layout[t] = lay
                 continue
-            how, axes, _, final = _reduction(lowered, t, lay)
-            if op.primitive not in SHARD_MAP_PARTIAL:
-                final = lowered.targets.get(t, lay.reduced)
             shape, isz = info(t)
             for kind, ax, nbytes in _reduce(shape, isz, lay.reduced, lay.partial, final, sizes):
                 for phase, times in phases:
                     add(phase, kind, t, op.path, ax, nbytes, times)
-            producer_layout[t] = final
 
     # ---- backward: partial cotangents reduced towards the producer's layout ----------
     needs = _differentiable(g)
@@ -251,9 +244,10 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
     return CommTable(tuple(rows))
 
 
-def _region_rows(region, lowered, producer_layout, add, info, m) -> None:
+def _region_rows(region, lowered, producer_layout, add, info, m) -> Layout:
     """Ring attention: q, k, v converted into the region's layout (and their gradients
-    back), then n-1 hops of the key and value blocks around the ring each way."""
+    back), then n-1 hops of the key and value blocks around the ring each way. Returns
+    the layout the region's output leaves with."""
     att, axis = region.attention, region.region.axis
     sizes = lowered.plan.mesh.shape
     lays = region.layouts(lowered, producer_layout[att.q])
@@ -271,6 +265,7 @@ def _region_rows(region, lowered, producer_layout, add, info, m) -> None:
         nbytes = _local_bytes(shape, isz, lays[t], sizes)
         add("forward", "collective-permute", t, path, (axis,), nbytes, m * hops)
         add("backward", "collective-permute", t, path, (axis,), nbytes, m * hops)
+    return lays[att.out]
 
 
 def _differentiable(g) -> set[int]:

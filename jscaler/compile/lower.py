@@ -289,7 +289,7 @@ def _run_op_named(low: Lowered, op: Op, env, have):
     else:
         outs = _bind(op, ins)
     for t, v, lay in zip(op.outputs, outs, lays.outputs):
-        lay = low.targets.get(t, lay.reduced) if lay.partial else lay
+        lay = output_layout(low, op, t, lay)
         env[t] = _constrain(low, v, lay)
         have[t] = lay
 
@@ -335,6 +335,17 @@ def _varying(x) -> frozenset:
 def _vary(x, axes):
     missing = tuple(sorted(set(axes) - _varying(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def output_layout(low: Lowered, op: Op, t: int, produced: Layout) -> Layout:
+    """The layout output ``t`` of ``op`` leaves with: as produced, or once its partial sums
+    are reduced (in the op's shard_map region as :func:`_reduction` says, or by XLA
+    towards the layout its consumers agree on)."""
+    if not produced.partial:
+        return produced
+    if op.primitive in SHARD_MAP_PARTIAL:
+        return _reduction(low, t, produced)[3]
+    return low.targets.get(t, produced.reduced)
 
 
 def _reduction(low: Lowered, t: int, produced: Layout):

@@ -21,7 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jscaler.compile.attention import AttentionAxes, AttentionRegion, find_attention
+from jscaler.compile.attention import (
+    AttentionAxes,
+    AttentionRegion,
+    find_attention,
+    ring_attention,
+)
 from jscaler.compile.layout import Layout, replicated
 from jscaler.errors import LayoutError
 from jscaler.plan.plan import Plan, Region
@@ -45,7 +50,7 @@ class RingAttention:
     attention: AttentionRegion
     last: int  # the op producing the attention's output
 
-    def layout(self, arriving: Layout, sizes: dict[str, int]) -> Layout:
+    def layout(self, arriving: Layout) -> Layout:
         """q's layout inside the region, from the layout q arrives with."""
         a, axis = self.attention.q_axes, self.region.axis
         spec = [tuple(x for x in axes if x != axis) for axes in arriving.spec]
@@ -58,15 +63,13 @@ class RingAttention:
         """The layouts of q, k, v and the output inside the region."""
         att = self.attention
         tensors = low.plan.pgraph.graph.tensors
-        lay_q = self.layout(arriving, low.plan.mesh.shape)
+        lay_q = self.layout(arriving)
         out = {att.q: lay_q}
         for t, axes in ((att.k, att.k_axes), (att.v, att.v_axes), (att.out, att.out_axes)):
             out[t] = _remap(lay_q, att.q_axes, axes, len(tensors[t].shape))
         return out
 
     def run(self, low, env, have) -> None:
-        from jscaler.compile.attention import ring_attention
-
         att, axis = self.attention, self.region.axis
         tensors = low.plan.pgraph.graph.tensors
         rank = len(tensors[att.q].shape)
