@@ -15,7 +15,7 @@ from flax import nnx
 
 from jscaler.errors import PlanError
 
-__all__ = ["COMPUTE_DTYPES", "compute_dtype", "with_compute_dtype"]
+__all__ = ["COMPUTE_DTYPES", "compute_dtype", "map_floats", "with_compute_dtype"]
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": jnp.bfloat16}
 
@@ -27,20 +27,23 @@ def compute_dtype(precision: str):
     return COMPUTE_DTYPES[precision]
 
 
-def _abstract(x, dtype):
-    x_dtype = getattr(x, "dtype", None)
-    if dtype is not None and x_dtype is not None and jnp.issubdtype(x_dtype, jnp.floating):
-        return jax.ShapeDtypeStruct(x.shape, dtype)
-    return jax.ShapeDtypeStruct(x.shape, x_dtype) if x_dtype is not None else x
+def map_floats(model_or_params, batch, fn):
+    """(model or params, batch) with ``fn`` applied to every floating parameter and batch
+    leaf (an nnx model's Params only; its other variables are left as they are)."""
+
+    def leaf(x):
+        dtype = getattr(x, "dtype", None)
+        return fn(x) if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else x
+
+    batch = jax.tree_util.tree_map(leaf, batch)
+    if isinstance(model_or_params, nnx.Module):
+        graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
+        return nnx.merge(graphdef, jax.tree_util.tree_map(leaf, params), rest), batch
+    return jax.tree_util.tree_map(leaf, model_or_params), batch
 
 
 def with_compute_dtype(model_or_params, batch, dtype):
-    """(model or params, batch) as shapes, floats in ``dtype``, to trace the loss with."""
+    """(model or params, batch) to trace the loss with: floats as ``dtype`` shapes."""
     if dtype is None:
         return model_or_params, batch
-    batch = jax.tree_util.tree_map(lambda x: _abstract(x, dtype), batch)
-    if isinstance(model_or_params, nnx.Module):
-        graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
-        params = jax.tree_util.tree_map(lambda x: _abstract(x, dtype), params)
-        return nnx.merge(graphdef, params, rest), batch
-    return jax.tree_util.tree_map(lambda x: _abstract(x, dtype), model_or_params), batch
+    return map_floats(model_or_params, batch, lambda x: jax.ShapeDtypeStruct(x.shape, dtype))

@@ -22,6 +22,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jscaler.runtime.precision import map_floats
+
 __all__ = ["TOLERANCES", "Mismatch", "compare", "reference_steps", "trainer_steps"]
 
 RTOL = 1e-5
@@ -37,15 +39,6 @@ TOLERANCES = {
 }
 
 
-def _cast(tree, dtype):
-    def cast(x):
-        if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
-            return x.astype(dtype)
-        return x
-
-    return jax.tree_util.tree_map(cast, tree)
-
-
 def reference_steps(model_or_params, loss_fn, optimizer, batches, device=None, compute_dtype=None):
     """Per step on one device: (loss, grads, params after the update).
 
@@ -58,18 +51,9 @@ def reference_steps(model_or_params, loss_fn, optimizer, batches, device=None, c
     if compute_dtype is not None:
         user_loss = loss_fn
 
-        if isinstance(model_or_params, nnx.Module):
-
-            def loss_fn(model, batch):
-                graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-                m = nnx.merge(graphdef, _cast(params, compute_dtype), rest)
-                return user_loss(m, _cast(batch, compute_dtype)).astype(jnp.float32)
-
-        else:
-
-            def loss_fn(params, batch):
-                loss = user_loss(_cast(params, compute_dtype), _cast(batch, compute_dtype))
-                return loss.astype(jnp.float32)
+        def loss_fn(model_or_params, batch):
+            cast = map_floats(model_or_params, batch, lambda x: x.astype(compute_dtype))
+            return user_loss(*cast).astype(jnp.float32)
 
     device = device or jax.devices()[0]
     out = []
