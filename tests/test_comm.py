@@ -108,32 +108,30 @@ def test_sequence_parallel_exchanges_match_the_compiled_hlo(plan):
 # ---- known divergences: XLA differs from the plan -----------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="XLA reduces a gradient that is partial over two mesh axes (dp and sp) with two "
-    "full-size all-reduces, one per axis, where the plan needs one over both",
+def _divergence(plan, why):
+    return pytest.param(plan, marks=pytest.mark.xfail(strict=True, reason=why), id=str(plan))
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        _divergence(
+            ulysses(sp=4),
+            "XLA reduces a gradient that is partial over two mesh axes (dp and sp) with two "
+            "full-size all-reduces, one per axis, where the plan needs one over both",
+        ),
+        _divergence(
+            megatron(tp=4, sp=True),
+            "Megatron-SP: XLA all-reduces the input cotangent of q, k and v (and gate, up) "
+            "separately, adds, then slices, where the plan reduce-scatters their sum once",
+        ),
+        _divergence(
+            megatron(tp=4),
+            "megatron: the LM head (split by sequence) has a weight gradient partial over dp "
+            "and tp, which XLA reduces with one full all-reduce per axis",
+        ),
+    ],
 )
-def test_ulysses_gradients_reduce_once_over_dp_and_sp():
-    pred, got, _ = predicted_and_compiled("gpt-tiny", ulysses(sp=4))
-    assert pred[("all-to-all", ("sp",))] == got[("all-to-all", ("sp",))]  # the layouts agree
-    assert_close(pred, got)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="Megatron-SP: XLA all-reduces the input cotangent of q, k and v (and gate, up) "
-    "separately, adds, then slices, where the plan reduce-scatters their sum once",
-)
-def test_megatron_sp_reduce_scatters_the_column_parallel_input_gradient():
-    pred, got, _ = predicted_and_compiled("gpt-tiny", megatron(tp=4, sp=True))
-    assert_close(pred, got)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="megatron: the LM head (split by sequence) has a weight gradient partial over dp "
-    "and tp, which XLA reduces with one full all-reduce per axis",
-)
-def test_megatron_lm_head_gradient_reduces_once():
-    pred, got, _ = predicted_and_compiled("gpt-tiny", megatron(tp=4))
+def test_known_divergences_from_the_plan(plan):
+    pred, got, _ = predicted_and_compiled("gpt-tiny", plan)
     assert_close(pred, got)
