@@ -58,7 +58,7 @@ def measure(name, runner, batch, steps: int) -> Row:
 
 
 def default_plans():
-    from spaces import dp, megatron, ring, ulysses, usp, zero
+    from spaces import coshard, dp, megatron, ring, ulysses, usp, zero
 
     return {
         "jscaler dp": dp(),
@@ -67,6 +67,7 @@ def default_plans():
         "jscaler megatron(tp=8, sp)": megatron(tp=8, sp=True),
         "jscaler megatron(tp=4, dp=2)": megatron(tp=4, dp=2),
         "jscaler megatron(tp=4, dp=2, sp)": megatron(tp=4, dp=2, sp=True),
+        "jscaler coshard(tp=4, colocate=2, dp=2)": coshard(tp=4, colocate=2, dp=2),
         "jscaler ulysses(sp=8)": ulysses(sp=8),
         "jscaler ring(sp=8)": ring(sp=8),
         "jscaler usp(ulysses=2, ring=4)": usp(ulysses=2, ring=4),

@@ -42,6 +42,7 @@ from jscaler.plan import Node as Node
 from jscaler.plan import Plan as Plan
 from jscaler.plan import Region as Region
 from jscaler.plan import SubOp as SubOp
+from jscaler.plan import coshard as coshard
 from jscaler.plan import data_parallel as data_parallel
 from jscaler.plan import decouple as decouple
 from jscaler.plan import manual as manual

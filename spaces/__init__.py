@@ -4,12 +4,14 @@ A space is a callable ``space(graph, n_devices) -> Plan``. ``SPACES`` maps the n
 command line accepts (``--plan "megatron(tp=2, dp=4)"``) to the functions making them.
 """
 
+from spaces.coshard import coshard
 from spaces.dp import dp
 from spaces.megatron import megatron
 from spaces.sequence import ring, ulysses, usp
 from spaces.zero import zero
 
 SPACES = {
+    "coshard": coshard,
     "dp": dp,
     "megatron": megatron,
     "ring": ring,
@@ -18,4 +20,4 @@ SPACES = {
     "zero": zero,
 }
 
-__all__ = ["SPACES", "dp", "megatron", "ring", "ulysses", "usp", "zero"]
+__all__ = ["SPACES", "coshard", "dp", "megatron", "ring", "ulysses", "usp", "zero"]

@@ -177,7 +177,7 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
     # ---- forward: reductions at producers, conversions at consumers ------------------
     for op in g.ops:
         region = lowered.regions.get(op.id)
-        if region is not None:
+        if region is not None and not region.layout_driven:
             if op.id == region.last:
                 out = region.attention.out
                 producer_layout[out] = _region_rows(region, lowered, producer_layout, add, info, m)
@@ -206,24 +206,27 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
     # ---- backward: partial cotangents reduced towards the producer's layout ----------
     needs = _differentiable(g)
     grad_target = {t: lowered.grad[t] for t in lowered.grad}
+    region_seen: dict[int, set] = {}
     for op in g.ops:
         if op.primitive in NON_DIFFERENTIABLE or not any(t in needs for t in op.outputs):
             continue
-        if op.id in lowered.regions:
+        if op.id in lowered.regions and not lowered.regions[op.id].layout_driven:
             continue  # counted with the region
         lays = lowered.ops[op.id]
         op_axes = set()
         for lay in (*lays.inputs, *lays.outputs):
             if lay is not None:
                 op_axes |= lay.axes_used()
-        seen = set()
+        region = lowered.regions.get(op.id)
+        # a manual region reduces a cotangent once for all its consumers of one value
+        seen = region_seen.setdefault(id(region), set()) if region is not None else set()
         for x, lay in zip(op.inputs, lays.inputs):
-            if isinstance(x, Literal) or x not in needs or (x, lay) in seen:
+            partial = tuple(sorted(op_axes - lay.axes_used())) if lay is not None else ()
+            if isinstance(x, Literal) or x not in needs or (x, lay, partial) in seen:
                 continue
-            seen.add((x, lay))
+            seen.add((x, lay, partial))
             shape, isz = info(x)
             target = grad_target.get(x, producer_layout[x])
-            partial = tuple(sorted(op_axes - lay.axes_used()))
             red = _reduce(shape, isz, lay, partial, target, sizes)
             for kind, axes, nbytes in red:
                 add("backward", kind, x, op.path, axes, nbytes, m)

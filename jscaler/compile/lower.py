@@ -12,6 +12,11 @@ with the collective the consumers ask for: ``psum`` (all-reduce), or ``psum_scat
 same devices. (The embedding lookup's vocabulary split is left to XLA, which masks the
 lookups and reduces at the output constraint.)
 
+Manual regions (``plan.regions``: ring attention, coshard, marked ``shard_map`` regions)
+run as one ``shard_map`` each, at the position of the region's last op
+(:mod:`jscaler.compile.regions`). Colocated pieces of an op (coshard) share a device and
+lower as their union.
+
 Backward is JAX autodiff of this forward; random ops keep single-device bits because
 threefry is partitionable.
 """
@@ -29,7 +34,7 @@ from jscaler.compile.layout import Layout, layout_of, replicated
 from jscaler.compile.regions import manual_regions
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Literal, Op
-from jscaler.plan.pieces import op_pieces
+from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
 
 __all__ = ["Lowered", "lower"]
@@ -143,13 +148,14 @@ def _prefetch_schedule(plan: Plan) -> dict[int, Prefetch]:
 
 
 def _op_layouts(plan: Plan, op: Op) -> OpLayouts:
-    pieces = op_pieces(plan, op)
+    pieces, _ = device_pieces(plan, op)
     by_device = {}
     for p in pieces:
         if p.device in by_device:
             raise LayoutError(
-                f"{op.where} has two pieces on device {p.device}; one SPMD program runs one "
-                f"piece of each op per device (colocated pieces come with coshard)"
+                f"{op.where} has two pieces on device {p.device} that are not one split of a "
+                f"piece; one SPMD program runs one piece of each op per device. Colocate "
+                f"pieces with coshard (split a device's piece further, on the same device)"
             )
         by_device[p.device] = p
     tensors = plan.pgraph.graph.tensors

@@ -1,5 +1,9 @@
 """Manual regions: subgraphs lowered with ``shard_map`` and explicit collectives.
 
+:func:`manual_regions` maps each op of a plan's regions to the object that runs it:
+``coshard`` and ``shard_map`` regions are layout-driven (:mod:`shard_region`); ring
+attention, below, is a kernel of its own.
+
 Layouts cannot say everything. Ring attention keeps every device's queries in place and
 passes key/value blocks around a ring of devices with ``ppermute``, folding each block into
 an online softmax: no layout of the score matrix describes that. A plan marks such a
@@ -28,6 +32,7 @@ from jscaler.compile.attention import (
     ring_attention,
 )
 from jscaler.compile.layout import Layout, replicated
+from jscaler.compile.shard_region import LocalRegion, local_region
 from jscaler.errors import LayoutError
 from jscaler.plan.plan import Plan, Region
 
@@ -49,6 +54,7 @@ class RingAttention:
     region: Region
     attention: AttentionRegion
     last: int  # the op producing the attention's output
+    layout_driven: bool = False  # the comm table counts its ring hops itself
 
     def layout(self, arriving: Layout) -> Layout:
         """q's layout inside the region, from the layout q arrives with."""
@@ -103,14 +109,18 @@ class RingAttention:
         env[att.out], have[att.out] = out, lays[att.out]
 
 
-def manual_regions(plan: Plan) -> dict[int, RingAttention]:
+def manual_regions(plan: Plan) -> dict[int, RingAttention | LocalRegion]:
     """op id -> the manual region running it, for every region of the plan."""
     if not plan.regions:
         return {}
     graph = plan.pgraph.graph
-    found = find_attention(graph)
+    found = find_attention(graph) if any(r.kind == "ring_attention" for r in plan.regions) else []
     out = {}
     for region in plan.regions:
+        if region.kind != "ring_attention":
+            local = local_region(plan, region)
+            out.update((op_id, local) for op_id in region.ops)
+            continue
         where = plan.pgraph.op(region.ops[0]).where
         match = [a for a in found if set(a.ops) <= set(region.ops)]
         if len(match) != 1:

@@ -13,12 +13,14 @@ from jscaler.plan.helpers import recompute_layers as recompute_layers
 from jscaler.plan.helpers import split_classes as split_classes
 from jscaler.plan.mesh import MeshSpec as MeshSpec
 from jscaler.plan.pieces import Piece as Piece
+from jscaler.plan.pieces import device_pieces as device_pieces
 from jscaler.plan.pieces import op_pieces as op_pieces
 from jscaler.plan.plan import Node as Node
 from jscaler.plan.plan import Plan as Plan
 from jscaler.plan.plan import Region as Region
 from jscaler.plan.plan import SubOp as SubOp
 from jscaler.plan.primitives import Algorithm as Algorithm
+from jscaler.plan.primitives import coshard as coshard
 from jscaler.plan.primitives import decouple as decouple
 from jscaler.plan.primitives import manual as manual
 from jscaler.plan.primitives import op_assign as op_assign

@@ -8,7 +8,8 @@ __all__ = ["describe_tree", "explain"]
 
 
 def describe_tree(op, tree: Node) -> str:
-    """``split b/2 > split c/4`` style summary of one op's tree (first branch per level)."""
+    """``split b/2 > split c/4`` style summary of one op's tree (first branch per level);
+    a split whose pieces all stay on one device reads ``coshard``."""
     parts = []
     node = tree
     while node.algo != "leaf":
@@ -16,6 +17,9 @@ def describe_tree(op, tree: Node) -> str:
         if node.algo == "split":
             kind = op.annotation.kinds.get(node.dim, "") if op.annotation else ""
             label = "partial" if kind == "+" else "split"
+            devices = {leaf.device for _, leaf in node.leaves()}
+            if len(devices) == 1 and None not in devices:
+                label = "coshard"  # colocated pieces, one after another on one device
             size = op.annotation.sizes.get(node.dim, "?") if op.annotation else "?"
             parts.append(f"{label} {node.dim}({size})/{n}")
         else:
@@ -42,7 +46,9 @@ def explain(plan: Plan, *, per_op: bool = False) -> str:
             continue
         tree = plan.tree(op.id)
         what = describe_tree(op, tree)
-        recompute = "recompute" if plan.is_recomputed(op.id) else ""
+        region = plan.region_of(op.id)
+        notes = [region.kind if region else "", "recompute" if plan.is_recomputed(op.id) else ""]
+        recompute = " ".join(n for n in notes if n)
         n = sum(1 for _ in tree.leaves())
         key = (op.path or "<root>", op.primitive, what, recompute)
         if per_op or not rows or rows[-1][0] != key:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jscaler.errors import PlanError
 from jscaler.ir.graph import Literal, Op
 from jscaler.ir.vtensor import Mask
 from jscaler.plan.plan import Node, Plan, SubOp
 
-__all__ = ["Piece", "op_pieces"]
+__all__ = ["Piece", "colocated", "device_pieces", "op_pieces"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +77,48 @@ def op_pieces(plan: Plan, op: Op) -> tuple[Piece, ...]:
         out.append(Piece(SubOp(op.id, path), leaf.device, ins, outs))
     cache[op.id] = tuple(out)
     return cache[op.id]
+
+
+def colocated(tree: Node, path: tuple[int, ...] = ()):
+    """Yields ``(path, node, device, count)`` for each unit of work on one device: a leaf
+    (count 1), or a split whose leaves all sit on one device (coshard's colocated pieces,
+    which together are one contiguous piece of that device)."""
+    if tree.algo == "leaf":
+        yield path, tree, tree.device, 1
+        return
+    devices = {leaf.device for _, leaf in tree.leaves()}
+    if tree.algo == "split" and len(devices) == 1 and None not in devices:
+        yield path, tree, devices.pop(), sum(1 for _ in tree.leaves())
+        return
+    for i, c in enumerate(tree.children):
+        yield from colocated(c, path + (i,))
+
+
+def device_pieces(plan: Plan, op: Op) -> tuple[tuple[Piece, ...], int]:
+    """Pieces with colocated leaves merged (one per device where a plan colocates), and
+    how many leaves each merged piece holds (1 when nothing is colocated)."""
+    tree = plan.tree(op.id)
+    units = list(colocated(tree))
+    if all(count == 1 for *_, count in units):
+        return op_pieces(plan, op), 1
+    tensors = plan.pgraph.graph.tensors
+    ann = op.annotation
+    out, counts = [], set()
+    for path, _, device, count in units:
+        splits = _splits(tree, path)
+        ins = tuple(
+            None if isinstance(x, Literal) else _mask(d, tensors[x].shape, splits, ann.kinds, False)
+            for d, x in zip(ann.inputs, op.inputs)
+        )
+        outs = tuple(
+            _mask(d, tensors[x].shape, splits, ann.kinds, True)
+            for d, x in zip(ann.outputs, op.outputs)
+        )
+        out.append(Piece(SubOp(op.id, path), device, ins, outs))
+        counts.add(count)
+    if len(counts) != 1:
+        raise PlanError(
+            f"{op.where}: devices hold different numbers of colocated pieces "
+            f"({sorted(counts)}); coshard every piece of the op with the same colocate"
+        )
+    return tuple(out), counts.pop()

@@ -26,8 +26,11 @@ from jscaler.plan.mesh import MeshSpec
 
 __all__ = ["REGION_KINDS", "Node", "Plan", "Region", "SubOp", "graph_fingerprint"]
 
-# Manual regions the lowering knows how to run (``jscaler.compile`` holds their kernels).
-REGION_KINDS = ("ring_attention",)
+# Manual regions the lowering knows how to run (``jscaler.compile`` holds their kernels):
+# ring attention over a mesh axis; coshard (colocated pieces one after another); and any
+# subgraph run on local shards with the collectives the plan's layouts imply.
+REGION_KINDS = ("ring_attention", "coshard", "shard_map")
+NEEDS_AXIS = ("ring_attention",)
 
 PLAN_FORMAT = 1
 
@@ -108,11 +111,12 @@ class Node:
 class Region:
     """A subgraph lowered by hand (``shard_map`` with explicit collectives) instead of by
     layouts: ``kind`` names the kernel, ``ops`` the ops it replaces, ``axis`` the mesh axis
-    it runs its collectives over (e.g. the ring of ring attention)."""
+    a kernel runs its own collectives over (the ring of ring attention; ``None`` for
+    kinds whose collectives follow from the layouts)."""
 
     kind: str
     ops: tuple[int, ...]
-    axis: str
+    axis: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "ops", tuple(sorted(int(o) for o in self.ops)))
@@ -122,6 +126,8 @@ class Region:
             )
         if not self.ops:
             raise PlanError(f"a {self.kind} region needs at least one op")
+        if self.kind in NEEDS_AXIS and not self.axis:
+            raise PlanError(f"a {self.kind} region needs the mesh axis it runs over")
 
     def to_json(self):
         return {"kind": self.kind, "ops": list(self.ops), "axis": self.axis}
@@ -268,7 +274,9 @@ class Plan:
             tuple(tuple(g) for g in data["recompute"]),
             fp,
             data.get("name", ""),
-            tuple(Region(r["kind"], tuple(r["ops"]), r["axis"]) for r in data.get("regions", [])),
+            tuple(
+                Region(r["kind"], tuple(r["ops"]), r.get("axis")) for r in data.get("regions", [])
+            ),
         )
 
 

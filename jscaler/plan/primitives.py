@@ -1,8 +1,10 @@
 """The three primitives, pure functions on a frozen Plan, and their algorithms.
 
 * ``op_trans(plan, target, algo, n) -> (plan, sub_ops)``: split a sub-op into n
-  (``split(dim)``, ``replicate()``), mark it for recomputation (``recompute()``), or
-  insert an identity that decouples a tensor's layout from its consumers' (``decouple()``).
+  (``split(dim)``, ``replicate()``), split it into pieces that stay on its device and run
+  one after another (``coshard(dim, colocate)``), mark it for recomputation
+  (``recompute()``) or for a hand-lowered region (``manual(kind)``), or insert an
+  identity that decouples a tensor's layout from its consumers' (``decouple()``).
 * ``op_assign(plan, sub_op, device_or_group) -> plan``: run a sub-op on a device; a group
   of devices replicates it over the group.
 * ``op_order(plan, a, b) -> plan``: a runs before b where they share devices.
@@ -31,6 +33,7 @@ from jscaler.plan.plan import Node, Plan, Region, SubOp
 
 __all__ = [
     "Algorithm",
+    "coshard",
     "decouple",
     "manual",
     "op_assign",
@@ -76,11 +79,27 @@ def decouple() -> Algorithm:
     return Algorithm("decouple")
 
 
-def manual(kind: str, axis: str) -> Algorithm:
-    """Lower the target subgraph by hand: a ``shard_map`` region running kernel ``kind``
-    (``"ring_attention"``: blockwise attention passing keys and values around mesh axis
-    ``axis``) in place of its ops, which keep their pieces for validation."""
+def manual(kind: str = "shard_map", axis: str | None = None) -> Algorithm:
+    """Lower the target subgraph by hand, as one ``shard_map`` region.
+
+    ``"shard_map"`` (the default) runs the ops on each device's local pieces and moves data
+    between them with the collectives the pieces imply (all-gather, all-to-all, psum,
+    psum_scatter, local slices), chosen by jscaler rather than by XLA's partitioner.
+    ``"ring_attention"`` runs blockwise attention passing keys and values around mesh axis
+    ``axis``. The ops keep their pieces (and their validation) either way."""
     return Algorithm("manual", (kind, axis))
+
+
+def coshard(dim: str | tuple[int, int], colocate: int) -> Algorithm:
+    """Coshard (nnScaler): split each target leaf along ``dim`` into ``colocate`` pieces
+    that stay on the leaf's device and run one after another, each recomputed in the
+    backward pass, so a device holds one piece's activations at a time. Split over the
+    devices first (``split``, n ways), then coshard: n x colocate pieces in all. The target
+    ops become one manual region; partial sums over ``dim`` are added up on the device
+    and reduced across devices once."""
+    if isinstance(colocate, bool) or not isinstance(colocate, int) or colocate < 1:
+        raise PlanError(f"coshard: colocate must be a positive int, got {colocate!r}")
+    return Algorithm("coshard", (dim, colocate))
 
 
 # ---- op_trans ------------------------------------------------------------------------
@@ -92,9 +111,11 @@ def op_trans(plan: Plan, target, algo: Algorithm, n: int = 1) -> tuple[Plan, tup
         raise PlanError(f"op_trans: algo must be split(...)/replicate()/..., got {algo!r}")
     if algo.kind == "decouple":
         return _decouple(plan, target)
+    if algo.kind == "coshard":
+        return _coshard(plan, target, *algo.dim, n)
     if algo.kind == "manual":
         kind, axis = algo.dim
-        if axis not in plan.mesh.names:
+        if axis is not None and axis not in plan.mesh.names:
             raise PlanError(
                 f"manual({kind!r}, {axis!r}): the plan's mesh ({plan.mesh}) has no axis {axis!r}"
             )
@@ -199,6 +220,36 @@ def _split_problem(op: Op, tree: Node, path, dim, n: int) -> str | None:
             f"Use a degree among {divisors or [1]}, or pad that dim to a multiple of {n}."
         )
     return None
+
+
+def _coshard(plan: Plan, target, dim, colocate: int, n: int) -> tuple[Plan, tuple[SubOp, ...]]:
+    if n != 1:
+        raise PlanError(
+            f"coshard: split over devices first (op_trans with split(dim), n={n}), then "
+            f"coshard(dim, colocate) with n=1 to colocate each device's piece"
+        )
+    leaves = _target_ops(plan, target)
+    ops = tuple(sorted({s.op for s in leaves}))
+    taken = [o for o in ops if plan.region_of(o) is not None]
+    if taken:
+        raise PlanError(f"coshard: {plan.pgraph.op(taken[0]).where} is already in a manual region")
+    classes = DimClasses(plan.pgraph.graph) if isinstance(dim, tuple) else None
+    cls = classes.of(*dim) if classes else None
+    trees = dict(plan.trees)
+    made: list[SubOp] = []
+    for sub in leaves:
+        op = plan.pgraph.op(sub.op)
+        tree = trees.get(sub.op, Node())
+        d = dim if classes is None else classes.dim_of(op, cls)
+        problem = _split_problem(op, tree, sub.path, d, colocate)
+        if problem:
+            raise SplitError(f"coshard: {problem}")
+        device = tree.at(sub.path).device
+        kids = tuple(Node(device=device) for _ in range(colocate))
+        trees[sub.op] = tree.replace(sub.path, Node("split", d, kids))
+        made.extend(SubOp(sub.op, sub.path + (i,)) for i in range(colocate))
+    region = Region("coshard", ops)
+    return plan.evolve(trees=trees, regions=plan.regions + (region,)), tuple(made)
 
 
 def _decouple(plan: Plan, target) -> tuple[Plan, tuple[SubOp, ...]]:

@@ -49,7 +49,7 @@ def validate(plan: Plan, *, n_devices: int | None = None) -> Plan:
         for op_id in region.ops:
             if not pg.has(op_id):
                 raise PlanError(f"{region.kind} region names op {op_id}, which the graph lacks")
-        if region.axis not in plan.mesh.names:
+        if region.axis is not None and region.axis not in plan.mesh.names:
             raise PlanError(
                 f"{region.kind} region at {pg.op(region.ops[0]).where} runs over mesh axis "
                 f"{region.axis!r}, which the plan's mesh ({plan.mesh}) does not have"
