@@ -65,6 +65,7 @@ def default_plans():
         "jscaler zero(3)": zero(3),
         "jscaler megatron(tp=8)": megatron(tp=8),
         "jscaler megatron(tp=8, sp)": megatron(tp=8, sp=True),
+        "jscaler megatron(tp=8, regions)": megatron(tp=8, regions=True),
         "jscaler megatron(tp=4, dp=2)": megatron(tp=4, dp=2),
         "jscaler megatron(tp=4, dp=2, sp)": megatron(tp=4, dp=2, sp=True),
         "jscaler coshard(tp=4, colocate=2, dp=2)": coshard(tp=4, colocate=2, dp=2),

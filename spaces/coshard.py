@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import jscaler
 from jscaler.plan import DimClasses, Plan, op_trans, recompute_layers
-from spaces.megatron import Megatron, tp_seeds
+from spaces.megatron import Megatron, tp_regions
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,8 @@ class Coshard:
         dp = base.mesh.shape["dp"]
         plan = base.evolve(name=f"coshard(tp={self.tp}, colocate={self.colocate}, dp={dp})")
         classes = DimClasses(plan.pgraph.graph)
-        seeds, _ = tp_seeds(graph, classes)
         regions = 0
-        pieces = self.tp * self.colocate
-        for seed in seeds:
-            dims = list(classes.op_dims(classes.of(*seed)))
-            if any(op.annotation.sizes[d] % pieces for op, d in dims):
-                continue  # the class does not cut into tp x colocate pieces everywhere
-            ops = [op for op, _ in dims]
-            if any(op.primitive == "gather" for op in ops):
-                continue  # the embedding's vocabulary split: nothing to gain
+        for ops, seed in tp_regions(graph, classes, self.tp * self.colocate):
             plan, _ = op_trans(plan, ops, jscaler.coshard(seed, self.colocate))
             regions += 1
         if not regions:

@@ -27,9 +27,12 @@ from jscaler.plan import (
     Plan,
     assign_mesh,
     batch_axes,
+    manual,
+    op_trans,
     recompute_layers,
     split_classes,
 )
+from spaces.zero import zero_over
 
 WEIGHT_OPS = ("dot_general", "conv_general_dilated")
 
@@ -86,6 +89,20 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
     return seeds, heads
 
 
+def tp_regions(graph: jscaler.Graph, classes: DimClasses, pieces: int):
+    """``(ops, seed)`` per tensor-parallel region: the ops carrying a seeded class (an
+    attention's heads, an MLP's hidden features), when every one of them cuts into
+    ``pieces``. The embedding's vocabulary class is not a region."""
+    seeds, _ = tp_seeds(graph, classes)
+    for seed in seeds:
+        dims = list(classes.op_dims(classes.of(*seed)))
+        if any(op.annotation.sizes[d] % pieces for op, d in dims):
+            continue
+        ops = [op for op, _ in dims]
+        if not any(op.primitive == "gather" for op in ops):
+            yield ops, seed
+
+
 def _needed_whole(graph, classes, op, cls) -> bool:
     """True when a consumer of the op's output cannot split the class's dim."""
     for user in graph.consumers(op.outputs[0]):
@@ -103,6 +120,8 @@ class Megatron:
     sp: bool = False
     recompute: float = 0
     precision: str = "fp32"
+    zero: int = 0
+    regions: bool = False
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
         if self.pp != 1:
@@ -112,7 +131,8 @@ class Megatron:
         dp = _infer_dp(n_devices, self.tp, self.pp, self.dp, "megatron")
         mesh = MeshSpec.create(dp=dp, tp=self.tp)
         sp = ", sp=True" if self.sp else ""
-        plan = Plan.create(graph, mesh, name=f"megatron(tp={self.tp}, dp={dp}{sp})")
+        zero = f", zero={self.zero}" if self.zero else ""
+        plan = Plan.create(graph, mesh, name=f"megatron(tp={self.tp}, dp={dp}{sp}{zero})")
         classes = DimClasses(plan.pgraph.graph)
         plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
         seeds, heads = tp_seeds(graph, classes)
@@ -138,7 +158,12 @@ class Megatron:
 
         seeds = seeds + seq
         plan = split_classes(plan, seeds, self.tp, classes=classes, choose=choose)
-        return recompute_layers(assign_mesh(plan, ["dp", "tp"]), self.recompute)
+        plan = zero_over(assign_mesh(plan, ["dp", "tp"]), graph, self.zero)
+        if self.regions:
+            for ops, _ in tp_regions(graph, classes, self.tp):
+                plan, _ = op_trans(plan, ops, manual())
+            plan = plan.evolve(name=plan.name[:-1] + ", regions=True)")
+        return recompute_layers(plan, self.recompute)
 
 
 def sequence_axes(graph: jscaler.Graph) -> list[tuple[int, int]]:
@@ -189,9 +214,14 @@ def megatron(
     sp: bool = False,
     recompute: float = 0,
     precision: str = "fp32",
+    zero: int = 0,
+    regions: bool = False,
 ) -> Megatron:
     """Megatron tensor parallelism of degree ``tp`` times data parallelism ``dp``
     (inferred as devices / (tp * pp) when not given); ``sp`` adds sequence parallelism;
     ``recompute`` is the fraction of repeated layers to checkpoint; ``precision="bf16"``
-    computes in bf16 with fp32 master parameters."""
-    return Megatron(tp, dp, pp, sp, recompute, precision)
+    computes in bf16 with fp32 master parameters; ``zero`` = ZeRO stage over dp, each
+    device's tensor-parallel shard split further over dp; ``regions=True`` runs each
+    tensor-parallel region as a manual ``shard_map`` region (jscaler's collectives: one
+    reduction of a shared input's gradient instead of one per consumer)."""
+    return Megatron(tp, dp, pp, sp, recompute, precision, zero, regions)

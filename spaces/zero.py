@@ -19,6 +19,7 @@ from jscaler.plan import (
     assign_mesh,
     batch_axes,
     decouple,
+    op_pieces,
     op_trans,
     recompute_layers,
     replicate,
@@ -60,13 +61,20 @@ def shard_params(
     """Applies ZeRO's parameter/gradient/optimizer splits over mesh axis ``axis``.
 
     With ``forward``, also splits the forward ops by batch over the same axis and assigns
-    everything (a pure ZeRO-DP plan). ``replicas``: the plan's other mesh axes, over which
-    each shard is replicated (ZeRO inside a plan that already uses them, e.g. sequence
-    parallelism over ``sp``).
+    everything (a pure ZeRO-DP plan). ``replicas``: the plan's other mesh axes. A
+    parameter its consumers read split over one of them (a Megatron weight over tp) keeps
+    that split in its update, gradient and storage, and ZeRO splits its local shard
+    further; over the others each shard is replicated (ZeRO inside sequence parallelism).
     """
     n = plan.mesh.shape[axis]
-    pg = plan.pgraph
-    dims = {p.id: shard_dim(p.shape, n) for p in graph.params()}
+    outer = {p.id: _consumer_splits(plan, graph, p.id, replicas) for p in graph.params()}
+    dims = {}
+    for p in graph.params():
+        local = list(p.shape)
+        for other, a in outer[p.id].items():
+            if a is not None:
+                local[a] //= plan.mesh.shape[other]
+        dims[p.id] = shard_dim(tuple(local), n)
     if stage >= 3:
         for t, d in dims.items():
             if d is not None:
@@ -76,23 +84,52 @@ def shard_params(
     for t, d in dims.items():
         if d is None:
             continue
-        letter = chr(ord("a") + d)
         ops = [pg.op(pg.update_ops[_index(pg, t)].id)]
         if stage >= 2:
             ops.append(pg.op(pg.grad_ops[_index(pg, t)].id))
         if stage >= 3:
             ops.append(pg.op(pg.identity_of[t]))
         for op in ops:
-            plan, _ = op_trans(plan, op.id, split(letter), n)
             for other in replicas:
-                plan, _ = op_trans(plan, op.id, replicate(), plan.mesh.shape[other])
+                a = outer[t][other]
+                size = plan.mesh.shape[other]
+                algo = replicate() if a is None else split(_letter(a))
+                plan, _ = op_trans(plan, op.id, algo, size)
+            plan, _ = op_trans(plan, op.id, split(_letter(d)), n)
             virtual.append(op)
     if forward:
         identities = set(pg.identity_of.values())
         rest = [o for o in pg.graph.ops if o.id not in identities]
         plan = split_classes(plan, batch_axes(graph, n), n, ops=rest, classes=DimClasses(pg.graph))
         plan = assign_mesh(plan, [axis], ops=rest)
-    return assign_mesh(plan, [axis, *replicas], ops=virtual)
+    return assign_mesh(plan, [*replicas, axis], ops=virtual)
+
+
+def _letter(axis: int) -> str:
+    """The annotation dim of tensor axis ``axis`` in a grad/update/identity op."""
+    return chr(ord("a") + axis)
+
+
+def _consumer_splits(plan: Plan, graph: jscaler.Graph, t: int, axes) -> dict:
+    """Mesh axis -> the tensor axis every consumer of parameter ``t`` reads it split along
+    over that mesh axis (None: read whole, or the consumers disagree)."""
+    mesh = plan.mesh
+    users = [(op, k) for op in graph.ops for k, x in enumerate(op.inputs) if x == t]
+    origin = mesh.device_at({})
+    out = {}
+    for name in axes:
+        other = mesh.device_at({name: 1})
+        found = set()
+        for op, k in users:
+            pieces = {p.device: p for p in op_pieces(plan, op)}
+            if origin not in pieces or other not in pieces:
+                found.add(None)
+                continue
+            a, b = pieces[origin].inputs[k], pieces[other].inputs[k]
+            moved = [i for i in range(len(a.slices)) if a.slices[i] != b.slices[i]]
+            found.add(moved[0] if len(moved) == 1 else None)
+        out[name] = found.pop() if len(found) == 1 else None
+    return out
 
 
 def zero_over(plan: Plan, graph: jscaler.Graph, stage: int, axis: str = "dp") -> Plan:

@@ -63,6 +63,8 @@ AGREE = {
     ("gpt-tiny", "zero(3)"): zero(3),
     ("gpt-tiny", "zero(3, recompute=1/2)"): zero(3, recompute=0.5),
     ("mlp-tiny", "megatron(tp=2, dp=4)"): megatron(tp=2, dp=4),
+    ("mlp-tiny", "megatron(tp=2, zero=3)"): megatron(tp=2, zero=3),
+    ("convnet-tiny", "megatron(tp=2, zero=2)"): megatron(tp=2, zero=2),
     ("mlp-tiny", "zero(3)"): zero(3),
     ("convnet-tiny", "dp"): dp(),
     ("convnet-tiny", "zero(2)"): zero(2),

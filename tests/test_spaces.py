@@ -28,6 +28,8 @@ SPACES = {
     "zero(3)": zero(3),
     "megatron(tp=4, sp=True)": megatron(tp=4, sp=True),
     "megatron(tp=2, dp=4, sp=True)": megatron(tp=2, dp=4, sp=True),
+    "megatron(tp=2, zero=3)": megatron(tp=2, zero=3),
+    "megatron(tp=2, dp=4, sp=True, zero=2)": megatron(tp=2, dp=4, sp=True, zero=2),
 }
 SLOW = {
     ("gpt-tiny", "megatron(tp=8)"),
@@ -35,6 +37,8 @@ SLOW = {
     ("convnet-tiny", "zero(2)"),
     ("convnet-tiny", "megatron(tp=2, dp=4, sp=True)"),
     ("mlp-tiny", "megatron(tp=2, dp=4, sp=True)"),
+    ("convnet-tiny", "megatron(tp=2, dp=4, sp=True, zero=2)"),
+    ("mlp-tiny", "megatron(tp=2, dp=4, sp=True, zero=2)"),
 }
 
 
@@ -69,6 +73,14 @@ def test_megatron_tp4_splits_mlp_weights_and_attention_four_ways():
     assert s["embed/embedding"] == P("tp")  # vocabulary-parallel
     text = trainer.plan.explain()
     assert "blocks/0/attn/q_proj" in text and "partial" in text
+
+
+def test_megatron_with_zero_splits_each_tensor_parallel_shard_further_over_dp():
+    trainer = make_trainer("mlp-tiny", megatron(tp=2, zero=3))
+    specs = specs_by_name(trainer)
+    assert specs["layers/0/w"] == P("dp", "tp")  # column-parallel: tp on its outputs
+    assert specs["layers/0/b"] == P(("tp", "dp"))  # the tp shard of the bias, over dp
+    assert specs["layers/1/b"] == P("dp")  # replicated over tp: ZeRO alone
 
 
 def test_zero3_splits_every_param_with_a_dim_divisible_by_8():
