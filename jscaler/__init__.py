@@ -21,6 +21,7 @@ from jscaler.errors import JscalerError as JscalerError
 from jscaler.errors import LayoutError as LayoutError
 from jscaler.errors import MaskError as MaskError
 from jscaler.errors import PlanError as PlanError
+from jscaler.errors import ScheduleError as ScheduleError
 from jscaler.errors import SplitError as SplitError
 from jscaler.errors import TraceError as TraceError
 from jscaler.errors import UnsupportedOpError as UnsupportedOpError
@@ -36,11 +37,13 @@ from jscaler.ir import VTensor as VTensor
 from jscaler.ir import check_annotations as check_annotations
 from jscaler.ir import register_op as register_op
 from jscaler.ir import trace as trace
+from jscaler.plan import Block as Block
 from jscaler.plan import DimClasses as DimClasses
 from jscaler.plan import MeshSpec as MeshSpec
 from jscaler.plan import Node as Node
 from jscaler.plan import Plan as Plan
 from jscaler.plan import Region as Region
+from jscaler.plan import Schedule as Schedule
 from jscaler.plan import SubOp as SubOp
 from jscaler.plan import coshard as coshard
 from jscaler.plan import data_parallel as data_parallel
@@ -51,6 +54,7 @@ from jscaler.plan import op_order as op_order
 from jscaler.plan import op_trans as op_trans
 from jscaler.plan import recompute as recompute
 from jscaler.plan import replicate as replicate
+from jscaler.plan import simulate as simulate
 from jscaler.plan import split as split
 from jscaler.plan import validate as validate
 from jscaler.runtime import Space as Space

@@ -15,6 +15,7 @@ __all__ = [
     "LayoutError",
     "MaskError",
     "PlanError",
+    "ScheduleError",
     "SplitError",
     "TraceError",
     "UnsupportedOpError",
@@ -43,6 +44,10 @@ class MaskError(JscalerError):
 
 class PlanError(JscalerError):
     """A plan is malformed, inconsistent with its graph, or cannot run as asked."""
+
+
+class ScheduleError(PlanError):
+    """A pipeline schedule misses or repeats a block, misplaces one, or deadlocks."""
 
 
 class SplitError(PlanError):

@@ -1,1 +1,15 @@
-"""Placeholder: filled by the plans and pipeline issues."""
+"""Pipeline schedules as plain Python functions returning a :class:`jscaler.Schedule`.
+
+``SCHEDULES`` maps the names the command line accepts (``--schedule one_f_one_b``) to them.
+"""
+
+from schedules.classic import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble
+
+SCHEDULES = {
+    "gpipe": gpipe,
+    "one_f_one_b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "zero_bubble": zero_bubble,
+}
+
+__all__ = ["SCHEDULES", "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble"]

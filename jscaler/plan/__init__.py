@@ -29,4 +29,8 @@ from jscaler.plan.primitives import op_trans as op_trans
 from jscaler.plan.primitives import recompute as recompute
 from jscaler.plan.primitives import replicate as replicate
 from jscaler.plan.primitives import split as split
+from jscaler.plan.schedule import Block as Block
+from jscaler.plan.schedule import Schedule as Schedule
+from jscaler.plan.timeline import Timeline as Timeline
+from jscaler.plan.timeline import simulate as simulate
 from jscaler.plan.validate import validate as validate
