@@ -4,12 +4,21 @@
 """
 
 from schedules.classic import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble
+from schedules.three_f_one_b import three_f_one_b
 
 SCHEDULES = {
     "gpipe": gpipe,
     "one_f_one_b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zero_bubble": zero_bubble,
+    "three_f_one_b": three_f_one_b,
 }
 
-__all__ = ["SCHEDULES", "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble"]
+__all__ = [
+    "SCHEDULES",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "three_f_one_b",
+    "zero_bubble",
+]

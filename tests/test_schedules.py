@@ -8,7 +8,7 @@ import pytest
 
 import jscaler
 from jscaler import Block, Schedule, ScheduleError
-from schedules import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble
+from schedules import gpipe, interleaved_1f1b, one_f_one_b, three_f_one_b, zero_bubble
 
 GRID = [(2, 4), (4, 8), (4, 4), (3, 7)]
 
@@ -122,3 +122,41 @@ def test_interleaving_needs_rounds_of_one_micro_batch_per_group():
         interleaved_1f1b(4, 6)
     with pytest.raises(ScheduleError, match="positive int"):
         one_f_one_b(0, 4)
+
+
+# ---- 3F1B ----------------------------------------------------------------------------
+
+TABLE7_S0 = (
+    "1:0 | 1:1 2:0 | 1:2 2:1 3:0 | 1:3 2:2 3:1 | 1:4 2:3 3:2 | 1:5 2:4 3:3 B:0 | "
+    "1:6 2:5 3:4 B:1 | 1:7 2:6 3:5 B:2 | 2:7 3:6 B:3 | 3:7 B:4 | B:5 | B:6 | B:7"
+)
+TABLE7_S3 = (
+    "1:0 | 1:1 2:0 | 1:2 2:1 3:0 B:0 | 1:3 2:2 3:1 B:1 | 1:4 2:3 3:2 B:2 | 1:5 2:4 3:3 B:3 | "
+    "1:6 2:5 3:4 B:4 | 1:7 2:6 3:5 B:5 | 2:7 3:6 B:6 | 3:7 B:7"
+)
+
+
+def _notation(group):
+    return " ".join(
+        f"{b.pass_ + 1}:{b.microbatch}" if b.kind == "F" else f"B:{b.microbatch}" for b in group
+    )
+
+
+def test_three_f_one_b_is_the_papers_table_7():
+    sched = three_f_one_b(4, 8)
+    assert _notation(sched.groups[0]) == TABLE7_S0.replace(" |", "")
+    assert _notation(sched.groups[3]) == TABLE7_S3.replace(" |", "")
+    assert sched.passes == 3 and Schedule.from_json(sched.to_json()) == sched
+
+
+def test_three_f_one_b_holds_1f1b_memory():
+    timeline = jscaler.simulate(three_f_one_b(4, 8))
+    assert timeline.in_flight() == [4, 3, 2, 1]
+
+
+def test_recycling_passes_chain_through_the_last_stage():
+    sched = three_f_one_b(2, 2)
+    assert sched.deps(Block(0, 1, "F", 2)) == [Block(1, 1, "F", 1)]
+    with pytest.raises(ScheduleError, match="micro-batches take 1 pass"):
+        extra = _edit(gpipe(2, 2), 0, [*gpipe(2, 2).groups[0], Block(0, 0, "F", 1)])
+        extra.check()
