@@ -17,7 +17,7 @@ from jscaler.errors import LayoutError
 from jscaler.ir.vtensor import Mask
 from jscaler.plan.mesh import MeshSpec
 
-__all__ = ["Layout", "layout_of", "replicated"]
+__all__ = ["Layout", "layout_of", "reduced_layout", "replicated"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,18 @@ class Layout:
 
 def replicated(rank: int) -> Layout:
     return Layout(((),) * rank)
+
+
+def reduced_layout(produced: Layout, want: Layout | None) -> Layout:
+    """The layout a partial result leaves a shard_map region with once reduced: ``want``
+    (the layout its consumers agree on) when that only splits one more dim over exactly
+    the partial axes (a reduce-scatter), else the reduced layout (an all-reduce)."""
+    reduced = produced.reduced
+    if want is not None and want != reduced:
+        diff = [a for a in range(len(reduced.spec)) if want.spec[a] != reduced.spec[a]]
+        if len(diff) == 1 and want.spec[diff[0]] == reduced.spec[diff[0]] + produced.partial:
+            return want
+    return reduced
 
 
 def layout_of(mesh: MeshSpec, shape: tuple[int, ...], masks: dict[int, Mask], what: str) -> Layout:

@@ -106,7 +106,7 @@ def _keeps(have, want) -> bool:
 
 def _reduce(x, partial, spec, dst: Layout):
     """Adds up partial sums: a reduce-scatter when dst splits one more dim over exactly
-    the partial axes, else an all-reduce."""
+    the partial axes (as :func:`layout.reduced_layout` chooses), else an all-reduce."""
     partial = tuple(partial)
     for a in range(len(spec)):
         want = tuple(dst.spec[a])

@@ -30,7 +30,8 @@ import numpy as np
 from jax._src import source_info_util
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from jscaler.compile.layout import Layout, layout_of, replicated
+from jscaler.compile.layout import Layout, layout_of, reduced_layout, replicated
+from jscaler.compile.local import transition, vary, varying
 from jscaler.compile.regions import manual_regions
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Literal, Op
@@ -304,65 +305,36 @@ def _run_partial(low: Lowered, op: Op, ins, lays: OpLayouts):
     """A '+' split in a shard_map: local partial result, then the plan's reduction."""
     tensor_ins = [(k, v) for k, (v, lay) in enumerate(zip(ins, lays.inputs)) if lay is not None]
     literals = {k: v for k, (v, lay) in enumerate(zip(ins, lays.inputs)) if lay is None}
-    plans = [_reduction(low, t, lay) for t, lay in zip(op.outputs, lays.outputs)]
+    finals = [reduced_layout(lay, low.targets.get(t)) for t, lay in zip(op.outputs, lays.outputs)]
+    sizes = low.plan.mesh.shape
 
     def body(*local):
         # one varying-axes type for all operands: primitives bound directly (not through
         # jnp) do not insert the casts themselves
-        vma = set().union(*(_varying(x) for x in local))
-        local = [_vary(x, vma) for x in local]
+        vma = set().union(*(varying(x) for x in local))
+        local = [vary(x, vma) for x in local]
         args = dict(zip((k for k, _ in tensor_ins), local))
         args.update(literals)
         outs = _bind(op, [args[k] for k in range(len(ins))])
-        result = []
-        for v, (how, axes, dim, _) in zip(outs, plans):
-            if how == "scatter":
-                v = jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True)
-            elif axes:
-                v = jax.lax.psum(v, axes)
-            result.append(v)
-        return result
+        return [
+            transition(v, lay, final, sizes, f"output of {op.where}")
+            for v, lay, final in zip(outs, lays.outputs, finals)
+        ]
 
     in_specs = tuple(lays.inputs[k].pspec() for k, _ in tensor_ins)
-    out_specs = [final.pspec() for *_, final in plans]
+    out_specs = [final.pspec() for final in finals]
     outs = jax.shard_map(body, mesh=low.mesh, in_specs=in_specs, out_specs=out_specs)(
         *[v for _, v in tensor_ins]
     )
-    return outs, [final for *_, final in plans]
-
-
-def _varying(x) -> frozenset:
-    """The mesh axes a value inside shard_map varies over (its varying-axes type)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def _vary(x, axes):
-    missing = tuple(sorted(set(axes) - _varying(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return outs, finals
 
 
 def output_layout(low: Lowered, op: Op, t: int, produced: Layout) -> Layout:
     """The layout output ``t`` of ``op`` leaves with: as produced, or once its partial sums
-    are reduced (in the op's shard_map region as :func:`_reduction` says, or by XLA
+    are reduced (in the op's shard_map region as :func:`reduced_layout` says, or by XLA
     towards the layout its consumers agree on)."""
     if not produced.partial:
         return produced
     if op.primitive in SHARD_MAP_PARTIAL:
-        return _reduction(low, t, produced)[3]
+        return reduced_layout(produced, low.targets.get(t))
     return low.targets.get(t, produced.reduced)
-
-
-def _reduction(low: Lowered, t: int, produced: Layout):
-    """How to reduce a partial output: ('psum'|'scatter', axes, scatter dim, result layout)."""
-    axes = produced.partial
-    want = low.targets.get(t)
-    reduced = produced.reduced
-    if want is not None and want != reduced:
-        diff = [a for a in range(len(reduced.spec)) if want.spec[a] != reduced.spec[a]]
-        if len(diff) == 1:
-            a = diff[0]
-            if want.spec[a] == reduced.spec[a] + axes:
-                return ("scatter", axes, a, want)
-    return ("psum", axes, None, reduced)

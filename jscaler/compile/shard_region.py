@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jscaler.compile.layout import Layout, replicated
+from jscaler.compile.layout import Layout, reduced_layout, replicated
 from jscaler.compile.local import bind_local, block_index, transition, vary, varying
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Literal, Op
@@ -50,8 +50,6 @@ class LocalRegion:
     layout_driven: bool = True  # the comm table reads its collectives from the layouts
 
     def run(self, low, env, have) -> None:
-        from jscaler.compile.lower import _reduction
-
         g = low.plan.pgraph.graph
         sizes = low.plan.mesh.shape
         entry = [have.get(t, replicated(len(g.tensors[t].shape))) for t in self.inputs]
@@ -60,7 +58,7 @@ class LocalRegion:
         for t in self.outputs:
             op, k = producer[t]
             lay = low.ops[op.id].outputs[k]
-            made[t] = (lay, _reduction(low, t, lay)[3] if lay.partial else lay)
+            made[t] = (lay, reduced_layout(lay, low.targets.get(t)) if lay.partial else lay)
 
         def body(*xs):
             local = dict(zip(self.inputs, xs))
