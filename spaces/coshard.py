@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import jscaler
 from jscaler.plan import DimClasses, Plan, op_trans, recompute_layers
-from spaces.megatron import Megatron, tp_regions
+from spaces.megatron import Megatron, tp_regions, tp_seeds
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class Coshard:
         plan = base.evolve(name=f"coshard(tp={self.tp}, colocate={self.colocate}, dp={dp})")
         classes = DimClasses(plan.pgraph.graph)
         regions = 0
-        for ops, seed in tp_regions(graph, classes, self.tp * self.colocate):
+        seeds, _ = tp_seeds(graph, classes)
+        for ops, seed in tp_regions(classes, seeds, self.tp * self.colocate):
             plan, _ = op_trans(plan, ops, jscaler.coshard(seed, self.colocate))
             regions += 1
         if not regions:

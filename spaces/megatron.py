@@ -89,11 +89,11 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
     return seeds, heads
 
 
-def tp_regions(graph: jscaler.Graph, classes: DimClasses, pieces: int):
+def tp_regions(classes: DimClasses, seeds, pieces: int):
     """``(ops, seed)`` per tensor-parallel region: the ops carrying a seeded class (an
-    attention's heads, an MLP's hidden features), when every one of them cuts into
-    ``pieces``. The embedding's vocabulary class is not a region."""
-    seeds, _ = tp_seeds(graph, classes)
+    attention's heads, an MLP's hidden features; ``seeds`` from :func:`tp_seeds`), when
+    every one of them cuts into ``pieces``. The embedding's vocabulary class is not a
+    region."""
     for seed in seeds:
         dims = list(classes.op_dims(classes.of(*seed)))
         if any(op.annotation.sizes[d] % pieces for op, d in dims):
@@ -132,7 +132,9 @@ class Megatron:
         mesh = MeshSpec.create(dp=dp, tp=self.tp)
         sp = ", sp=True" if self.sp else ""
         zero = f", zero={self.zero}" if self.zero else ""
-        plan = Plan.create(graph, mesh, name=f"megatron(tp={self.tp}, dp={dp}{sp}{zero})")
+        regions = ", regions=True" if self.regions else ""
+        name = f"megatron(tp={self.tp}, dp={dp}{sp}{zero}{regions})"
+        plan = Plan.create(graph, mesh, name=name)
         classes = DimClasses(plan.pgraph.graph)
         plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
         seeds, heads = tp_seeds(graph, classes)
@@ -156,13 +158,11 @@ class Megatron:
             after_head = order.get(op.id, -1) >= first_head
             return (self.sp or after_head) and any(classes.dim_of(op, r) for r in batch_roots)
 
-        seeds = seeds + seq
-        plan = split_classes(plan, seeds, self.tp, classes=classes, choose=choose)
+        plan = split_classes(plan, seeds + seq, self.tp, classes=classes, choose=choose)
         plan = zero_over(assign_mesh(plan, ["dp", "tp"]), graph, self.zero)
         if self.regions:
-            for ops, _ in tp_regions(graph, classes, self.tp):
+            for ops, _ in tp_regions(classes, seeds, self.tp):
                 plan, _ = op_trans(plan, ops, manual())
-            plan = plan.evolve(name=plan.name[:-1] + ", regions=True)")
         return recompute_layers(plan, self.recompute)
 
 

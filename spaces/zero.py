@@ -113,6 +113,8 @@ def _letter(axis: int) -> str:
 def _consumer_splits(plan: Plan, graph: jscaler.Graph, t: int, axes) -> dict:
     """Mesh axis -> the tensor axis every consumer of parameter ``t`` reads it split along
     over that mesh axis (None: read whole, or the consumers disagree)."""
+    if not axes:
+        return {}
     mesh = plan.mesh
     users = [(op, k) for op in graph.ops for k, x in enumerate(op.inputs) if x == t]
     origin = mesh.device_at({})
