@@ -41,14 +41,17 @@ from jscaler.plan import Block as Block
 from jscaler.plan import DimClasses as DimClasses
 from jscaler.plan import MeshSpec as MeshSpec
 from jscaler.plan import Node as Node
+from jscaler.plan import PipelinePlan as PipelinePlan
 from jscaler.plan import Plan as Plan
 from jscaler.plan import Region as Region
 from jscaler.plan import Schedule as Schedule
+from jscaler.plan import StageGroup as StageGroup
 from jscaler.plan import SubOp as SubOp
 from jscaler.plan import coshard as coshard
 from jscaler.plan import data_parallel as data_parallel
 from jscaler.plan import decouple as decouple
 from jscaler.plan import manual as manual
+from jscaler.plan import one_f_one_b as one_f_one_b
 from jscaler.plan import op_assign as op_assign
 from jscaler.plan import op_order as op_order
 from jscaler.plan import op_trans as op_trans
@@ -56,7 +59,9 @@ from jscaler.plan import recompute as recompute
 from jscaler.plan import replicate as replicate
 from jscaler.plan import simulate as simulate
 from jscaler.plan import split as split
+from jscaler.plan import stage_of_ops as stage_of_ops
 from jscaler.plan import validate as validate
+from jscaler.runtime import PipelineTrainer as PipelineTrainer
 from jscaler.runtime import Space as Space
 from jscaler.runtime import Trainer as Trainer
 from jscaler.runtime import parallelize as parallelize
@@ -64,6 +69,15 @@ from jscaler.runtime import parallelize as parallelize
 __version__ = "0.1.0"
 
 __all__ = [
+    "simulate",
+    "ScheduleError",
+    "Schedule",
+    "Block",
+    "stage_of_ops",
+    "one_f_one_b",
+    "StageGroup",
+    "PipelineTrainer",
+    "PipelinePlan",
     "Annotation",
     "AnnotationError",
     "AttentionRegion",

@@ -1,12 +1,17 @@
 """The classic pipeline schedules, each a plain function returning a Schedule.
 
+``one_f_one_b`` is jscaler's own (``jscaler.one_f_one_b``, the default schedule of a
+pipeline plan), re-exported here with the others.
+
 ``p`` device groups (pipeline stages), ``m`` micro-batches. Each group's list is the order
 its blocks run in; :meth:`Schedule.check` proves the order runs without deadlock.
 """
 
 from __future__ import annotations
 
-from jscaler import Block, Schedule, ScheduleError
+from jscaler import Block, Schedule, ScheduleError, one_f_one_b
+
+__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble"]
 
 
 def _args(p: int, m: int, name: str) -> None:
@@ -24,24 +29,6 @@ def gpipe(p: int, m: int) -> Schedule:
         for s in range(p)
     ]
     return Schedule("gpipe", p, m, groups, tuple(range(p))).check()
-
-
-def one_f_one_b(p: int, m: int) -> Schedule:
-    """1F1B (PipeDream-Flush): stage s runs p-s-1 warm-up forwards, then alternates one
-    forward and one backward, then drains the backwards. Holds at most p - s micro-batches'
-    activations on stage s (GPipe: m), with GPipe's bubble."""
-    _args(p, m, "one_f_one_b")
-    groups = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        order = [Block(s, i, "F") for i in range(warm)]
-        f, b = warm, 0
-        while f < m:
-            order += [Block(s, f, "F"), Block(s, b, "B")]
-            f, b = f + 1, b + 1
-        order += [Block(s, i, "B") for i in range(b, m)]
-        groups.append(order)
-    return Schedule("one_f_one_b", p, m, groups, tuple(range(p))).check()
 
 
 def interleaved_1f1b(p: int, m: int, chunks: int = 2) -> Schedule:

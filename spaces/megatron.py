@@ -18,7 +18,7 @@ of all-reduce, and the per-device activation memory outside the regions drops tp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jscaler
 from jscaler.plan import (
@@ -123,12 +123,10 @@ class Megatron:
     zero: int = 0
     regions: bool = False
 
-    def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
-        if self.pp != 1:
-            raise jscaler.PlanError(
-                f"megatron(pp={self.pp}): pipeline stages are not supported yet; use pp=1"
-            )
+    def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan | jscaler.PipelinePlan:
         dp = _infer_dp(n_devices, self.tp, self.pp, self.dp, "megatron")
+        if self.pp > 1:
+            return pipeline(graph, replace(self, pp=1, dp=dp), self.pp, n_devices)
         mesh = MeshSpec.create(dp=dp, tp=self.tp)
         sp = ", sp=True" if self.sp else ""
         zero = f", zero={self.zero}" if self.zero else ""
@@ -164,6 +162,16 @@ class Megatron:
             for ops, _ in tp_regions(classes, seeds, self.tp):
                 plan, _ = op_trans(plan, ops, manual())
         return recompute_layers(plan, self.recompute)
+
+
+def pipeline(graph: jscaler.Graph, inner, pp: int, n_devices: int) -> jscaler.PipelinePlan:
+    """``pp`` groups of consecutive devices, each running its stages under ``inner``
+    (the same plan on every group's own devices)."""
+    size = n_devices // pp
+    plan = inner(graph, size)
+    groups = [jscaler.StageGroup(tuple(range(k * size, (k + 1) * size)), plan) for k in range(pp)]
+    name = plan.name[:-1] + f", pp={pp})" if plan.name.endswith(")") else f"{plan.name} pp={pp}"
+    return jscaler.PipelinePlan(tuple(groups), name=name)
 
 
 def sequence_axes(graph: jscaler.Graph) -> list[tuple[int, int]]:

@@ -38,7 +38,7 @@ from jscaler.ir.graph import Literal, Op
 from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
 
-__all__ = ["Lowered", "lower"]
+__all__ = ["Lowered", "lower", "run_ops"]
 
 SHARD_MAP_PARTIAL = {"dot_general", "conv_general_dilated", "reduce_sum"}
 
@@ -196,18 +196,29 @@ def _run(low: Lowered, flat_inputs):
     for t, v in zip(g.inputs, flat_inputs):
         env[t] = v
         have[t] = low.storage[t]
-    segments = _segments(low.plan, g.ops)
+    run_ops(low, g.ops, env, have)
+    return [x.value if isinstance(x, Literal) else env[x] for x in g.outputs]
+
+
+def run_ops(low: Lowered, ops, env: dict, have: dict) -> None:
+    """Runs ``ops`` (a subset of the plan graph's ops, in its order: the whole forward, or
+    one pipeline stage) on ``env`` (tensor -> value) whose values are laid out as ``have``
+    (tensor -> Layout) says; both are updated with every output.
+
+    A prefetch runs only when the layer it gathers for is among ``ops``; a manual region
+    runs at its last op, so all of its ops must be among ``ops``."""
+    ids = {o.id for o in ops}
     done: set[int] = set()
-    for recompute, ops in segments:
+    for recompute, seg in _segments(low.plan, ops):
         if recompute:
-            _run_checkpointed(low, ops, env, have)
+            _run_checkpointed(low, seg, env, have)
             continue
-        for op in ops:
-            if op.id in low.prefetch:
-                _run_prefetch(low, low.prefetch[op.id], env, have, done)
+        for op in seg:
+            pre = low.prefetch.get(op.id)
+            if pre is not None and all(o.id in ids for o in pre.identities):
+                _run_prefetch(low, pre, env, have, done)
             if op.id not in done:
                 _run_op(low, op, env, have)
-    return [x.value if isinstance(x, Literal) else env[x] for x in g.outputs]
 
 
 def _run_prefetch(low: Lowered, pre: Prefetch, env, have, done: set[int]) -> None:

@@ -15,6 +15,9 @@ from jscaler.plan.mesh import MeshSpec as MeshSpec
 from jscaler.plan.pieces import Piece as Piece
 from jscaler.plan.pieces import device_pieces as device_pieces
 from jscaler.plan.pieces import op_pieces as op_pieces
+from jscaler.plan.pipeline import PipelinePlan as PipelinePlan
+from jscaler.plan.pipeline import StageGroup as StageGroup
+from jscaler.plan.pipeline import stage_of_ops as stage_of_ops
 from jscaler.plan.plan import Node as Node
 from jscaler.plan.plan import Plan as Plan
 from jscaler.plan.plan import Region as Region
@@ -31,6 +34,7 @@ from jscaler.plan.primitives import replicate as replicate
 from jscaler.plan.primitives import split as split
 from jscaler.plan.schedule import Block as Block
 from jscaler.plan.schedule import Schedule as Schedule
+from jscaler.plan.schedule import one_f_one_b as one_f_one_b
 from jscaler.plan.timeline import Timeline as Timeline
 from jscaler.plan.timeline import simulate as simulate
 from jscaler.plan.validate import validate as validate

@@ -28,7 +28,7 @@ from functools import cached_property
 
 from jscaler.errors import ScheduleError
 
-__all__ = ["Block", "Schedule"]
+__all__ = ["Block", "Schedule", "one_f_one_b"]
 
 KINDS = ("F", "B", "W", "R")
 SCHEDULE_FORMAT = 1
@@ -129,6 +129,29 @@ class Schedule:
         if s + 1 < self.stages:
             out.append(Block(s + 1, m, "B"))
         return out
+
+    def in_flight(self, release: str = "B") -> list[int]:
+        """Per stage, the most micro-batches whose activations are held at once: from the
+        last forward pass (or R, when recomputed) to the ``release`` block (B: the
+        activations the backward consumes, as the schedules' memory bounds count them;
+        W: until the weight gradient, as the runtime holds a split backward's residuals).
+        GPipe holds m, 1F1B and ZB-H1 at most p - s."""
+        if release not in ("B", "W"):
+            raise ScheduleError(f"release must be 'B' or 'W', got {release!r}")
+        last = self.passes - 1
+        frees = "W" if release == "W" and self.split_backward else "B"
+        held, peak = [0] * self.stages, [0] * self.stages
+        for group in self.groups:
+            for b in group:
+                keeps = b.kind == "R" or (
+                    b.kind == "F" and b.pass_ == last and not self.recomputed(b.stage, b.microbatch)
+                )
+                if keeps:
+                    held[b.stage] += 1
+                    peak[b.stage] = max(peak[b.stage], held[b.stage])
+                elif b.kind == frees:
+                    held[b.stage] -= 1
+        return peak
 
     def recomputed(self, stage: int, microbatch: int) -> bool:
         return Block(stage, microbatch, "R") in self._all
@@ -244,3 +267,23 @@ class Schedule:
         for gi, g in enumerate(self.groups):
             lines.append(f"  group {gi}: " + " ".join(map(str, g)))
         return "\n".join(lines)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-Flush): stage s runs p-s-1 warm-up forwards, then alternates one
+    forward and one backward, then drains the backwards. Holds at most p - s micro-batches'
+    activations on stage s (GPipe: m), with GPipe's bubble."""
+    for what, v in (("stages", p), ("microbatches", m)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ScheduleError(f"one_f_one_b: {what} must be a positive int, got {v!r}")
+    groups = []
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        order = [Block(s, i, "F") for i in range(warm)]
+        f, b = warm, 0
+        while f < m:
+            order += [Block(s, f, "F"), Block(s, b, "B")]
+            f, b = f + 1, b + 1
+        order += [Block(s, i, "B") for i in range(b, m)]
+        groups.append(order)
+    return Schedule("one_f_one_b", p, m, groups, tuple(range(p))).check()

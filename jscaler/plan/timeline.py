@@ -36,22 +36,9 @@ class Timeline:
         return 1 - sum(self.busy(g) for g in range(n)) / (n * self.makespan)
 
     def in_flight(self) -> list[int]:
-        """Per stage, the most micro-batches whose activations are held at once (last
-        forward pass run, backward not yet)."""
-        sched = self.schedule
-        last = sched.passes - 1
-        out = []
-        for s in range(sched.stages):
-            events = []
-            for m in range(sched.microbatches):
-                events.append((self.spans[Block(s, m, "F", last)][0], 1))
-                events.append((self.spans[Block(s, m, "B")][1], -1))
-            held = peak = 0
-            for _, d in sorted(events, key=lambda e: (e[0], e[1])):
-                held += d
-                peak = max(peak, held)
-            out.append(peak)
-        return out
+        """Per stage, the most micro-batches whose activations are held at once
+        (:meth:`Schedule.in_flight`)."""
+        return self.schedule.in_flight()
 
     def _group(self, b: Block) -> int:
         return self.schedule.placement[b.stage]

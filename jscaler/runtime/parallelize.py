@@ -17,19 +17,24 @@ from jscaler.compile.lower import lower
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
 from jscaler.ir.trace import trace
+from jscaler.errors import ScheduleError
 from jscaler.plan.helpers import data_parallel
+from jscaler.plan.pipeline import PipelinePlan
 from jscaler.plan.plan import Plan, graph_fingerprint
+from jscaler.plan.schedule import Schedule, one_f_one_b
 from jscaler.plan.validate import validate
+from jscaler.runtime.pipeline import PipelineTrainer
 from jscaler.runtime.precision import compute_dtype, with_compute_dtype
 from jscaler.runtime.trainer import Trainer
 
-__all__ = ["Space", "parallelize", "resolve_devices"]
+__all__ = ["Space", "parallelize", "resolve_devices", "resolve_schedule"]
 
 
 class Space(Protocol):
-    """A search space: given the traced graph and the device count, a concrete Plan."""
+    """A search space: given the traced graph and the device count, a concrete Plan (or,
+    for pipelines, a PipelinePlan)."""
 
-    def __call__(self, graph: Graph, n_devices: int) -> Plan: ...
+    def __call__(self, graph: Graph, n_devices: int) -> Plan | PipelinePlan: ...
 
 
 def resolve_devices(devices) -> list:
@@ -60,7 +65,8 @@ def parallelize(
     devices=None,
     plan: Space | Plan | str = "dp",
     microbatches: int = 1,
-) -> Trainer:
+    schedule: Callable[[int, int], Schedule] | Schedule | None = None,
+) -> Trainer | PipelineTrainer:
     """Parallelises a training step over devices according to a plan.
 
     Args:
@@ -75,7 +81,11 @@ def parallelize(
       devices: None (all), an int (the first N of ``jax.devices()``), or a list.
       plan: a space (``megatron(tp=4)`` from ``spaces``), a concrete :class:`Plan`, the
         path of a plan's JSON, or ``"dp"`` (data parallelism, the default).
-      microbatches: gradient accumulation over this many micro-batches per step.
+      microbatches: gradient accumulation over this many micro-batches per step (the
+        pipeline's micro-batches for a pipeline plan).
+      schedule: for a pipeline plan (``megatron(pp=2)``): a function ``(groups,
+        microbatches) -> Schedule`` from ``schedules`` (default :func:`one_f_one_b`) or
+        a :class:`Schedule`.
         A space's ``precision="bf16"`` computes in bf16 (the loss traced with bf16
         parameters and floating batch leaves) while the trainer keeps fp32 master
         parameters and optimizer state.
@@ -110,13 +120,42 @@ def parallelize(
     )
     graph = trace(loss_fn, traced_model, traced_batch)
     plan = resolve_plan(plan, graph, len(devices))
+    if isinstance(plan, PipelinePlan):
+        plan.validate(len(devices))
+        sched = resolve_schedule(schedule, len(plan.groups), microbatches)
+        return PipelineTrainer(graph, plan, sched, devices, optimizer, model, shapes, precision)
+    if schedule is not None:
+        raise PlanError(
+            f"schedule= orders pipeline stages, but the plan {plan.name or ''!r} has none; "
+            f"use a plan with pp > 1 (e.g. megatron(pp=2)) or drop schedule="
+        )
     validate(plan, n_devices=len(devices))
     lowered = lower(plan, devices)
     return Trainer(graph, lowered, optimizer, model, microbatches, shapes, precision)
 
 
+def resolve_schedule(schedule, groups: int, microbatches: int) -> Schedule:
+    """A checked Schedule for ``groups`` device groups and ``microbatches``."""
+    if schedule is None:
+        schedule = one_f_one_b
+    if callable(schedule) and not isinstance(schedule, Schedule):
+        schedule = schedule(groups, microbatches)
+    if not isinstance(schedule, Schedule):
+        raise ScheduleError(
+            f"schedule must be a Schedule or a function making one, got {schedule!r}"
+        )
+    if schedule.microbatches != microbatches:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} runs {schedule.microbatches} micro-batches but "
+            f"microbatches={microbatches}; pass the same count to both"
+        )
+    return schedule.check()
+
+
 def _precision_of(plan) -> str:
     """A space's ``precision`` knob; a Plan computes in the dtype its graph was traced in."""
+    if isinstance(plan, PipelinePlan):
+        plan = plan.groups[0].plan
     if isinstance(plan, Plan):
         dtypes = {t.dtype for t in plan.graph.params()}
         return "bf16" if dtypes == {"bfloat16"} else "fp32"
@@ -141,7 +180,7 @@ def resolve_plan(plan, graph: Graph, n_devices: int) -> Plan:
         )
     if callable(plan):
         made = plan(graph, n_devices)
-        if not isinstance(made, Plan):
+        if not isinstance(made, (Plan, PipelinePlan)):
             raise PlanError(f"the space {plan!r} returned {type(made).__name__}, not a Plan")
         return made
     raise PlanError(f"plan must be a space, a Plan, a JSON path or 'dp'; got {plan!r}")

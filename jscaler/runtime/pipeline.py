@@ -1,0 +1,347 @@
+"""PipelineTrainer: stages on device groups, a driver walking the schedule, one update.
+
+The driver dispatches the schedule's blocks in an order that respects their data
+dependencies and every group's own order (:meth:`Schedule.order`); JAX dispatches each
+program asynchronously, so groups run concurrently. Activations and their gradients move
+between groups' meshes with ``jax.device_put``. Parameter gradients accumulate per stage
+over micro-batches; a parameter read by several stages (a tied embedding and LM head)
+lives on each of them and its gradients are summed.
+
+The optimizer sees the whole tree in one program over every pipeline device: master
+parameters and optimizer state are sharded over all of them (ZeRO-1 across the
+pipeline), so transforms such as ``clip_by_global_norm`` see every gradient. After the
+update each stage receives its parameters back in its storage layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jscaler.compile.lower import lower
+from jscaler.errors import PlanError, ScheduleError
+from jscaler.ir.graph import Graph
+from jscaler.plan.pipeline import PipelinePlan, stage_of_ops
+from jscaler.plan.schedule import Block, Schedule
+from jscaler.runtime.stages import Stage, build_stages
+
+__all__ = ["DriverLog", "PipelineTrainer"]
+
+
+@dataclass
+class DriverLog:
+    """What the driver ran in the last step: blocks per group in dispatch order, and the
+    most forward residual sets (activations kept for a backward) alive at once per stage."""
+
+    blocks: list[list[Block]] = field(default_factory=list)
+    in_flight: list[int] = field(default_factory=list)
+
+
+class PipelineTrainer:
+    """Trains a model under a pipeline plan and schedule. Made by :func:`jscaler.parallelize`.
+
+    Same interface as :class:`Trainer`: ``step``, ``value_and_grad``, ``params``,
+    ``model``; plus ``schedule``, ``stages`` and ``log`` (the last step's :class:`DriverLog`).
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        pplan: PipelinePlan,
+        schedule: Schedule,
+        devices: list,
+        optimizer: optax.GradientTransformation,
+        model_or_params,
+        batch_shapes: list[jax.ShapeDtypeStruct],
+        precision: str = "fp32",
+    ):
+        if len(schedule.groups) != len(pplan.groups):
+            raise ScheduleError(
+                f"schedule {schedule.name!r} runs on {len(schedule.groups)} device groups; "
+                f"the plan {pplan.name!r} has {len(pplan.groups)}"
+            )
+        if schedule.passes != 1:
+            raise ScheduleError(
+                f"schedule {schedule.name!r} runs {schedule.passes} forward passes per "
+                f"micro-batch; this model's graph is one pass (trace a recycling model)"
+            )
+        if len([x for x in graph.outputs]) != 1:
+            raise PlanError(
+                "pipelines train models without mutable state (the loss function updates "
+                f"{len(graph.outputs) - 1} state variable(s)); use a plan without pp"
+            )
+        schedule.check()
+        self.graph = graph
+        self.pplan = pplan
+        self.plan = pplan  # what tables and the CLI print
+        self.schedule = schedule
+        self.precision = precision
+        self._m = schedule.microbatches
+        self._sig = graph.signature
+        self._optimizer = optimizer
+        self._batch_shapes = batch_shapes
+        self._graphdef = self._sig.graphdef if self._sig.kind == "nnx" else None
+        lowered = [lower(g.plan, [devices[d] for d in g.devices]) for g in pplan.groups]
+        stage_of = stage_of_ops(graph, schedule.stages, pplan.cuts)
+        dtypes = {t: graph.tensors[t].dtype for t in graph.inputs}
+        self.stages: list[Stage] = build_stages(lowered, schedule.placement, stage_of, dtypes)
+        self._order = [b for rnd in schedule.order() for b in rnd]
+        self.log = DriverLog()
+        self.step_count = 0
+
+        p_leaves, s_leaves = self._sig.split(model_or_params)
+        self._param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
+        self._state_ids = [t for t in graph.inputs if graph.tensors[t].role == "state"]
+        self._batch_ids = [t for t in graph.inputs if graph.tensors[t].role == "batch"]
+        # the update's mesh: every device of the pipeline, one axis
+        all_devs = [devices[d] for d in pplan.devices]
+        self._mesh = Mesh(np.array(all_devs), ("pipe",), axis_types=(AxisType.Auto,))
+        n = len(all_devs)
+        self._rep = NamedSharding(self._mesh, PartitionSpec())
+        self._master_shard = [
+            NamedSharding(self._mesh, _zero_spec(graph.tensors[t].shape, n))
+            for t in self._param_ids
+        ]
+        self._master = [
+            jax.device_put(jnp.array(x, copy=True), s) for x, s in zip(p_leaves, self._master_shard)
+        ]
+        tree = self._tree(self._master)
+        abstract = jax.eval_shape(optimizer.init, tree)
+        self._opt_shard = optax.tree_map_params(
+            optimizer,
+            lambda _, s: s,
+            abstract,
+            self._tree(self._master_shard),
+            transform_non_params=lambda _: self._rep,
+        )
+        self._opt_state = jax.jit(optimizer.init, out_shardings=self._opt_shard)(tree)
+        self._users = {t: [st for st in self.stages if t in st.params] for t in self._param_ids}
+        unused = [graph.tensors[t].name for t, us in self._users.items() if not us]
+        if unused:
+            raise PlanError(f"parameter {unused[0]!r} is read by no stage")
+        self._state = dict(zip(self._state_ids, s_leaves))
+        self._stage_params = self._scatter(self._master)
+        self._stage_state = [
+            [jax.device_put(self._state[t], st.sharding(t)) for t in st.state] for st in self.stages
+        ]
+        self._update_fn = None
+
+    # ---- trees --------------------------------------------------------------------------
+
+    def _tree(self, leaves):
+        return jax.tree_util.tree_unflatten(self._sig.params_def, list(leaves))
+
+    @property
+    def params(self):
+        """The current parameters, gathered to full arrays (nnx State or your pytree)."""
+        return self._tree([jax.device_get(p) for p in self._master])
+
+    @property
+    def model(self):
+        """For an nnx model: a new model holding the current parameters and state."""
+        if self._sig.kind != "nnx":
+            raise TypeError("model is for nnx models; use .params for a params pytree")
+        state = jax.tree_util.tree_unflatten(
+            self._sig.state_def, [self._state[t] for t in self._state_ids]
+        )
+        return nnx.merge(self._graphdef, self.params, state)
+
+    def _scatter(self, master) -> list[list]:
+        """Each stage's copy of the parameters it reads, in its storage layout."""
+        by_id = dict(zip(self._param_ids, master))
+        return [[jax.device_put(by_id[t], st.sharding(t)) for t in st.params] for st in self.stages]
+
+    # ---- the driver ---------------------------------------------------------------------
+
+    def _split_batch(self, batch) -> list[list]:
+        """Per stage, per micro-batch: the batch leaves the stage reads, on its mesh.
+        Micro-batch j holds rows j, j+m, j+2m, ... (as the single-program trainer)."""
+        leaves, tdef = jax.tree_util.tree_flatten(batch)
+        if tdef != self._sig.batch_def:
+            raise PlanError(
+                f"the batch has structure {tdef}; the trainer was made for {self._sig.batch_def}"
+            )
+        for i, (x, want) in enumerate(zip(leaves, self._batch_shapes)):
+            if tuple(x.shape) != tuple(want.shape):
+                raise PlanError(
+                    f"batch leaf {i} has shape {tuple(x.shape)}; the trainer was made for "
+                    f"{tuple(want.shape)} (the example batch's shape)"
+                )
+        m = self._m
+        host = {
+            t: np.asarray(x).reshape(x.shape[0] // m, m, *x.shape[1:])
+            for t, x in zip(self._batch_ids, leaves)
+        }
+        return [
+            [[jax.device_put(host[t][:, j], st.sharding(t)) for t in st.batch] for j in range(m)]
+            for st in self.stages
+        ]
+
+    def _run(self, batch):
+        """Runs every block of the schedule; returns (mean loss, per-param gradient
+        contributions, one per stage reading the param)."""
+        m, stages = self._m, self.stages
+        mb = self._split_batch(batch)
+        acts: dict = {}  # (tensor, microbatch, consumer stage) -> value on its mesh
+        cots: dict = {}  # (tensor, microbatch, consumer stage) -> cotangent on producer mesh
+        res: dict = {}  # (stage, microbatch) -> residuals
+        saved: dict = {}  # (stage, microbatch) -> forward inputs of a recomputed block
+        wcot: dict = {}  # (stage, microbatch) -> output cotangents kept for W
+        grads = [None] * len(stages)
+        losses = []
+        log = DriverLog([[] for _ in self.schedule.groups], [0] * len(stages))
+        alive = [0] * len(stages)
+        seed = jnp.float32(1.0 / m)
+
+        def inputs(st, j):
+            a = [acts.pop((t, j, st.index)) for t in st.acts_in]
+            return self._stage_params[st.index], a, self._stage_state[st.index], mb[st.index][j]
+
+        def keep(st, j, r):
+            res[(st.index, j)] = r
+            alive[st.index] += 1
+            log.in_flight[st.index] = max(log.in_flight[st.index], alive[st.index])
+
+        def send(st, j, out_acts, outs):
+            for t, v in zip(st.acts_out, out_acts):
+                for c in st.consumers[t]:
+                    acts[(t, j, c)] = jax.device_put(v, stages[c].sharding(t))
+            losses.extend(outs[:1])
+
+        def add_grads(st, g):
+            grads[st.index] = g if grads[st.index] is None else _add(grads[st.index], g)
+
+        def out_cot(st, j):
+            ca = []
+            for t in st.acts_out:
+                parts = [cots.pop((t, j, c)) for c in st.consumers[t]]
+                ca.append(parts[0] if len(parts) == 1 else _add(parts[0], parts[1:]))
+            co = [jax.device_put(seed, NamedSharding(st.low.mesh, PartitionSpec()))] * len(
+                st.outputs
+            )
+            return ca, co
+
+        def send_back(st, j, d_acts):
+            for t, v in zip(st.acts_in, d_acts):
+                src = stages[self._producer(t)]
+                cots[(t, j, st.index)] = jax.device_put(v, src.sharding(t))
+
+        for b in self._order:
+            st, j = stages[b.stage], b.microbatch
+            log.blocks[st.group].append(b)
+            if b.kind == "F":
+                args = inputs(st, j)
+                if self.schedule.recomputed(b.stage, j):
+                    saved[(b.stage, j)] = args
+                    send(st, j, *st.forward(*args))
+                else:
+                    (out_acts, outs), r = st.forward_res(*args)
+                    keep(st, j, r)
+                    send(st, j, out_acts, outs)
+            elif b.kind == "R":
+                _, r = st.forward_res(*saved.pop((b.stage, j)))
+                keep(st, j, r)
+            elif b.kind == "B":
+                cot = out_cot(st, j)
+                if self.schedule.split_backward:
+                    d_acts = st.backward_input(res[(b.stage, j)], cot)
+                    wcot[(b.stage, j)] = cot
+                else:
+                    d_params, d_acts = st.backward(res.pop((b.stage, j)), cot)
+                    alive[b.stage] -= 1
+                    add_grads(st, d_params)
+                send_back(st, j, d_acts)
+            else:  # W
+                d_params = st.backward_weight(res.pop((b.stage, j)), wcot.pop((b.stage, j)))
+                alive[b.stage] -= 1
+                add_grads(st, d_params)
+        self.log = log
+        loss = sum(float(x) for x in losses) / m
+        return loss, grads
+
+    def _producer(self, t: int) -> int:
+        return next(st.index for st in self.stages if t in st.acts_out)
+
+    # ---- the update ---------------------------------------------------------------------
+
+    def _contributions(self, grads) -> list[list]:
+        """Per parameter: its gradient from every stage reading it, on the update mesh."""
+        out = []
+        for t, sh in zip(self._param_ids, self._master_shard):
+            parts = []
+            for st in self._users[t]:
+                parts.append(jax.device_put(grads[st.index][st.params.index(t)], sh))
+            out.append(parts)
+        return out
+
+    def _build_update(self):
+        def update(master, opt_state, contributions):
+            g = [sum(parts[1:], parts[0]) for parts in contributions]
+            grad_norm = optax.tree.norm(g)
+            p_tree, g_tree = self._tree(master), self._tree(g)
+            updates, opt_state = self._optimizer.update(g_tree, opt_state, p_tree)
+            new = jax.tree_util.tree_leaves(optax.apply_updates(p_tree, updates))
+            return new, opt_state, grad_norm
+
+        return jax.jit(
+            update,
+            out_shardings=(self._master_shard, self._opt_shard, self._rep),
+            donate_argnums=(0, 1),
+        )
+
+    def step(self, batch) -> dict[str, float]:
+        """One training step: ``{"loss", "grad_norm"}`` (loss before the update)."""
+        loss, grads = self._run(batch)
+        if self._update_fn is None:
+            self._update_fn = self._build_update()
+        self._master, self._opt_state, gnorm = self._update_fn(
+            self._master, self._opt_state, self._contributions(grads)
+        )
+        self._stage_params = self._scatter(self._master)
+        self.step_count += 1
+        return {"loss": loss, "grad_norm": float(gnorm)}
+
+    def value_and_grad(self, batch):
+        """Loss and gathered gradients at the current parameters, without an update."""
+        loss, grads = self._run(batch)
+        total = [
+            sum(np.asarray(jax.device_get(p)) for p in parts)
+            for parts in self._contributions(grads)
+        ]
+        return loss, self._tree(total)
+
+    def comm_table(self):
+        raise PlanError("comm_table() covers single-program plans; a pipeline has one per group")
+
+
+def _add(a, b):
+    """Sums two gradient lists (or one value and a list of more), on their own mesh."""
+    if isinstance(b, list) and not isinstance(a, list):
+        for x in b:
+            a = _add_one(a, x)
+        return a
+    return _add_list(a, b)
+
+
+@jax.jit
+def _add_list(a, b):
+    return [x + y for x, y in zip(a, b)]
+
+
+@jax.jit
+def _add_one(a, b):
+    return a + b
+
+
+def _zero_spec(shape, n: int) -> PartitionSpec:
+    """Split the first axis divisible by n over the pipeline's devices, else replicate."""
+    for k, s in enumerate(shape):
+        if s % n == 0:
+            return PartitionSpec(*([None] * k), "pipe")
+    return PartitionSpec()

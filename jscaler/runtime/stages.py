@@ -1,0 +1,200 @@
+"""Pipeline stages: the ops of each stage and its jitted programs on its group's mesh.
+
+A stage is the forward ops :func:`jscaler.plan.pipeline.stage_of_ops` gives it, run with
+its group's lowered plan (so the layouts, collectives and manual regions inside a stage
+are those of a single-program plan). It reads parameters, state and batch leaves, and
+activations of earlier stages; it writes activations later stages read and the graph
+outputs it computes (the loss).
+
+Programs (``jax.fwd_and_bwd`` keeps the forward's residuals for the backward):
+
+* ``forward``: outputs only (a forward pass that keeps nothing; the stash of a recomputed
+  micro-batch);
+* ``forward_res``: outputs and residuals (F, or R for a recomputed micro-batch);
+* ``backward``: parameter and input cotangents from residuals and output cotangents (B);
+* ``backward_input`` / ``backward_weight``: one half each (zero-bubble's B and W; XLA
+  drops the other half's work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jscaler.compile.layout import Layout, replicated
+from jscaler.compile.lower import Lowered, run_ops
+from jscaler.errors import PlanError
+from jscaler.ir.graph import Literal, Op
+
+__all__ = ["Stage", "build_stages"]
+
+
+@dataclass(eq=False)
+class Stage:
+    """One pipeline stage on one device group."""
+
+    index: int
+    group: int
+    low: Lowered
+    ops: list[Op]
+    params: list[int]
+    state: list[int]
+    batch: list[int]
+    acts_in: list[int]
+    acts_out: list[int]
+    outputs: list[int]
+    dtypes: dict[int, str] = field(default_factory=dict)
+    consumers: dict[int, list[int]] = field(default_factory=dict)  # act -> stages reading it
+
+    # ---- layouts ------------------------------------------------------------------------
+
+    def layout(self, t: int) -> Layout:
+        """The layout tensor ``t`` is handed over in (what this stage's consumers want)."""
+        low = self.low
+        if t in low.storage:
+            return low.storage[t]
+        lay = low.targets.get(t)
+        return lay if lay is not None else replicated(len(low.plan.pgraph.graph.tensors[t].shape))
+
+    def sharding(self, t: int) -> NamedSharding:
+        return self.low.sharding(self.layout(t))
+
+    # ---- the forward --------------------------------------------------------------------
+
+    def _fn(self, params, acts, state, batch):
+        low = self.low
+        g = low.plan.pgraph.graph
+        env = dict(g.consts)
+        have: dict[int, Layout] = {}
+        for ids, vals in ((self.params, params), (self.state, state), (self.batch, batch)):
+            for t, v in zip(ids, vals):
+                env[t], have[t] = v.astype(self.dtypes[t]), low.storage[t]
+        for t, v in zip(self.acts_in, acts):
+            env[t], have[t] = v, self.layout(t)
+        run_ops(low, self.ops, env, have)
+        out_acts = [
+            jax.lax.with_sharding_constraint(env[t], self.sharding(t)) for t in self.acts_out
+        ]
+        outs = [env[t].astype(jnp.float32) for t in self.outputs]
+        return out_acts, outs
+
+    @cached_property
+    def forward(self):
+        return jax.jit(lambda p, a, s, b: self._fn(p, a, s, b))
+
+    @cached_property
+    def _fwd_bwd(self):
+        return jax.fwd_and_bwd(
+            lambda p, a, s, b: self._fn(p, a, s, b), argnums=(0, 1), jitted=False
+        )
+
+    @cached_property
+    def forward_res(self):
+        return jax.jit(self._fwd_bwd[0])
+
+    @cached_property
+    def backward(self):
+        return jax.jit(self._fwd_bwd[1])
+
+    @cached_property
+    def backward_input(self):
+        bwd = self._fwd_bwd[1]
+        return jax.jit(lambda res, cot: bwd(res, cot)[1])
+
+    @cached_property
+    def backward_weight(self):
+        bwd = self._fwd_bwd[1]
+        return jax.jit(lambda res, cot: bwd(res, cot)[0])
+
+
+def build_stages(
+    lowered: list[Lowered], placement, stage_of: dict[int, int], dtypes: dict[int, str]
+) -> list[Stage]:
+    """Stages 0..S-1; stage s runs with ``lowered[placement[s]]``.
+
+    ``stage_of`` maps the base graph's forward ops to stages; a plan's inserted identity
+    ops (ZeRO-3 gathers) join the first stage reading their output.
+    """
+    n = len(placement)
+    stages = []
+    for s in range(n):
+        low = lowered[placement[s]]
+        g = low.plan.pgraph.graph
+        ops = [o for o in g.ops if _stage(o, g, stage_of) == s]
+        stages.append((s, placement[s], low, ops))
+    produced_in: dict[int, int] = {}
+    for s, _, low, ops in stages:
+        for o in ops:
+            produced_in.update({t: s for t in o.outputs})
+    out = []
+    for s, gi, low, ops in stages:
+        g = low.plan.pgraph.graph
+        _check_regions(low, ops, s)
+        roles = {t: g.tensors[t].role for t in g.inputs}
+        read = list(dict.fromkeys(x for o in ops for x in o.tensor_inputs))
+        mine = {t for o in ops for t in o.outputs}
+        acts_in = [x for x in read if x in produced_in and x not in mine]
+        for x in acts_in:
+            if produced_in[x] > s:
+                raise PlanError(
+                    f"stage {s} reads {_name(g, x)}, computed by the later stage "
+                    f"{produced_in[x]}; stage cuts must follow the data flow"
+                )
+        outputs = [x for x in g.outputs if not isinstance(x, Literal) and x in mine]
+        out.append(
+            Stage(
+                index=s,
+                group=gi,
+                low=low,
+                ops=ops,
+                params=[x for x in read if roles.get(x) == "param"],
+                state=[x for x in read if roles.get(x) == "state"],
+                batch=[x for x in read if roles.get(x) == "batch"],
+                acts_in=acts_in,
+                acts_out=[],
+                outputs=outputs,
+                dtypes=dtypes,
+            )
+        )
+    for st in out:
+        for x in st.acts_in:
+            src = out[produced_in[x]]
+            if x not in src.acts_out:
+                src.acts_out.append(x)
+            src.consumers.setdefault(x, []).append(st.index)
+    return out
+
+
+def _stage(o: Op, g, stage_of: dict[int, int]) -> int:
+    if o.id in stage_of:
+        return stage_of[o.id]
+    users = [_stage(u, g, stage_of) for t in o.outputs for u in g.consumers(t)]
+    if not users:
+        raise PlanError(f"{o.where} has no consumer and no stage")
+    if len(set(users)) > 1 and o.kind == "identity":
+        raise PlanError(
+            f"the gathered parameter of {o.where} is read by stages {sorted(set(users))}; a "
+            f"ZeRO-3 gather must serve one stage. Use zero<=2 inside pipeline stages"
+        )
+    return min(users)
+
+
+def _check_regions(low: Lowered, ops: list[Op], s: int) -> None:
+    ids = {o.id for o in ops}
+    for region in low.plan.regions:
+        inside = [o for o in region.ops if o in ids]
+        if inside and len(inside) != len(region.ops):
+            op = low.plan.pgraph.op(region.ops[0])
+            raise PlanError(
+                f"the {region.kind} region starting at {op.where} is cut by the stage "
+                f"boundary after stage {s}; cut stages between regions (explicit cuts)"
+            )
+
+
+def _name(g, t: int) -> str:
+    p = g.producer(t)
+    return f"the output of {p.where}" if p is not None else f"tensor {t}"
