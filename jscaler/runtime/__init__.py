@@ -4,6 +4,6 @@ Imports ``jscaler.ir``, ``jscaler.plan`` and ``jscaler.compile``.
 """
 
 from jscaler.runtime.parallelize import Space as Space
-from jscaler.runtime.pipeline import PipelineTrainer as PipelineTrainer
 from jscaler.runtime.parallelize import parallelize as parallelize
+from jscaler.runtime.pipeline import PipelineTrainer as PipelineTrainer
 from jscaler.runtime.trainer import Trainer as Trainer

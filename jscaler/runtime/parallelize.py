@@ -14,10 +14,9 @@ import jax
 import optax
 
 from jscaler.compile.lower import lower
-from jscaler.errors import PlanError
+from jscaler.errors import PlanError, ScheduleError
 from jscaler.ir.graph import Graph
 from jscaler.ir.trace import trace
-from jscaler.errors import ScheduleError
 from jscaler.plan.helpers import data_parallel
 from jscaler.plan.pipeline import PipelinePlan
 from jscaler.plan.plan import Plan, graph_fingerprint

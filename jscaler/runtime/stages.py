@@ -127,7 +127,7 @@ def build_stages(
         ops = [o for o in g.ops if _stage(o, g, stage_of) == s]
         stages.append((s, placement[s], low, ops))
     produced_in: dict[int, int] = {}
-    for s, _, low, ops in stages:
+    for s, _, _, ops in stages:
         for o in ops:
             produced_in.update({t: s for t in o.outputs})
     out = []
