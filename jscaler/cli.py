@@ -35,6 +35,23 @@ def _add_plan(p: argparse.ArgumentParser, default: str | None) -> None:
     )
 
 
+def _add_pipeline(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches per step: gradient accumulation, or the pipeline's micro-batches "
+        "(default: 1; 2*pp for a plan with pp > 1)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help="pipeline schedule for a plan with pp > 1: gpipe, one_f_one_b (default), "
+        "interleaved_1f1b, zero_bubble, three_f_one_b, interlaced; arguments as in "
+        '"interleaved_1f1b(chunks=2)"',
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jscaler",
@@ -68,8 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_plan(tr, "dp")
     _add_devices(tr)
     tr.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    tr.add_argument("--batch-size", type=int, default=None, help="global batch size")
-    tr.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps")
+    tr.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch size (default: the model's; times the micro-batches for pp > 1)",
+    )
+    _add_pipeline(tr)
     tr.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
     tr.add_argument("--explain", action="store_true", help="print the plan's table first")
     tr.set_defaults(run=_train)
@@ -85,7 +107,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_plan(ve, None)
     _add_devices(ve)
     ve.add_argument("--steps", type=int, default=3, help="steps to compare (default 3)")
-    ve.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps")
+    ve.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch size (default: the model's; times the micro-batches for pp > 1)",
+    )
+    _add_pipeline(ve)
     ve.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     ve.add_argument(
         "--tol-scale",
@@ -155,6 +183,49 @@ def parse_plan(expr: str):
         raise PlanError(f"--plan {expr!r}: {e}") from None
 
 
+def parse_schedule(expr: str | None):
+    """A schedule function ``(groups, microbatches) -> Schedule`` from ``"gpipe"`` or
+    ``"interleaved_1f1b(chunks=2)"`` (literal keyword arguments); None for the default."""
+    import functools
+
+    from jscaler.errors import ScheduleError
+    from schedules import SCHEDULES
+
+    if expr is None:
+        return None
+    try:
+        node = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ScheduleError(f"--schedule {expr!r} is not an expression: {e.msg}") from None
+    name = node.id if isinstance(node, ast.Name) else getattr(getattr(node, "func", None), "id", "")
+    if name not in SCHEDULES:
+        raise ScheduleError(f"--schedule {expr!r}: expected one of {sorted(SCHEDULES)}")
+    if isinstance(node, ast.Name):
+        return SCHEDULES[name]
+    try:
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except ValueError:
+        raise ScheduleError(f"--schedule {expr!r}: arguments must be literals") from None
+    if node.args:
+        raise ScheduleError(f"--schedule {expr!r}: pass arguments by keyword, e.g. chunks=2")
+    return functools.partial(SCHEDULES[name], **kwargs)
+
+
+def describe(trainer) -> str:
+    """``plan NAME on N devices (MESH)``, or for a pipeline its groups and schedule."""
+    plan = trainer.plan
+    if hasattr(plan, "mesh"):
+        return f"plan {plan.name} on {plan.mesh.size} devices ({plan.mesh})"
+    sched = trainer.schedule
+    groups = ", ".join(
+        f"{list(g.devices)[0]}-{list(g.devices)[-1]} ({g.plan.mesh})" for g in plan.groups
+    )
+    return (
+        f"plan {plan.name} on {len(plan.devices)} devices: {sched.stages} stages on groups "
+        f"{groups}; schedule {sched.name}, {sched.microbatches} micro-batches"
+    )
+
+
 def _inspect(args) -> int:
     import jax
 
@@ -201,9 +272,13 @@ def _setup_trainer(args, optimizer):
     import models
 
     spec = models.get(args.model)
-    batch_size = getattr(args, "batch_size", None) or spec.batch_size
     model = spec.init(0)
     plan = parse_plan(args.plan)
+    pp = getattr(plan, "pp", 1)
+    microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
+    # a pipeline's micro-batches each get the model's default batch size unless told
+    default = spec.batch_size * (microbatches if pp > 1 else 1)
+    batch_size = getattr(args, "batch_size", None) or default
     trainer = jscaler.parallelize(
         model,
         spec.loss,
@@ -211,9 +286,17 @@ def _setup_trainer(args, optimizer):
         spec.batch(batch_size, 0),
         devices=args.devices,
         plan=plan,
-        microbatches=args.microbatches,
+        microbatches=microbatches,
+        schedule=parse_schedule(args.schedule),
     )
     return spec, model, trainer, batch_size
+
+
+def _plans(trainer) -> list:
+    plan = trainer.plan
+    if hasattr(plan, "groups"):
+        return list({id(g.plan): g.plan for g in plan.groups}.values())
+    return [plan]
 
 
 def _train(args) -> int:
@@ -224,9 +307,10 @@ def _train(args) -> int:
 
     spec, _, trainer, batch_size = _setup_trainer(args, optax.adam(args.lr))
     print(f"{spec.name}: {spec.description}")
-    print(f"plan {trainer.plan.name} on {trainer.plan.mesh.size} devices ({trainer.plan.mesh})")
+    print(describe(trainer))
     if args.explain:
-        print(trainer.plan.explain())
+        for plan in _plans(trainer):
+            print(plan.explain())
     first = last = None
     start = time.perf_counter()
     with tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True) as bar:
@@ -252,8 +336,8 @@ def _verify(args) -> int:
     spec, model, trainer, batch_size = _setup_trainer(args, optax.sgd(args.lr))
     batches = [spec.batch(batch_size, s) for s in range(args.steps)]
     print(
-        f"verify {spec.name} under {trainer.plan.name} on {trainer.plan.mesh.size} devices "
-        f"against one device: SGD(lr={args.lr}), {args.steps} steps, {trainer.precision}"
+        f"verify {spec.name}: {describe(trainer)}; against one device: SGD(lr={args.lr}), "
+        f"{args.steps} steps, {trainer.precision}"
     )
     dtype = compute_dtype(trainer.precision)
     want = reference_steps(model, spec.loss, optax.sgd(args.lr), batches, compute_dtype=dtype)

@@ -113,3 +113,20 @@ def test_bench_spmd_runs_and_prints_ratios():
     ).stdout
     assert "plain rules tp=8" in out and "plain jit dp" in out
     assert "megatron(tp=4, dp=2)" in out and "comm/rules" in out and "predicted" in out
+
+
+def test_verify_a_pipeline_plan_with_a_schedule():
+    out = run(
+        "verify", "--model", "gpt-tiny", "--plan", "megatron(pp=2, dp=4)", "--schedule",
+        "interleaved_1f1b(chunks=2)",
+    ).stdout  # fmt: skip
+    assert "4 stages on groups 0-3 (dp=4 x tp=1), 4-7 (dp=4 x tp=1)" in out
+    assert "schedule interleaved_1f1b(chunks=2), 4 micro-batches" in out  # 2*pp by default
+    assert "MATCH" in out
+
+
+def test_an_unknown_schedule_is_a_clear_error():
+    proc = run("verify", "--model", "mlp-tiny", "--plan", "megatron(pp=2)", "--schedule",
+               "fast", check=False)  # fmt: skip
+    assert proc.returncode == 2
+    assert "--schedule 'fast': expected one of" in proc.stderr

@@ -29,6 +29,9 @@ class StageGroup:
     """Devices (ids of the devices the trainer runs on) and the plan stages run with
     there: ``plan``'s device i is ``devices[i]``."""
 
+    def __repr__(self):
+        return f"StageGroup({list(self.devices)}, {self.plan.name or 'plan'})"
+
     devices: tuple[int, ...]
     plan: Plan
 
@@ -65,6 +68,11 @@ class PipelinePlan:
         fps = {g.plan.fingerprint for g in self.groups}
         if len(fps) != 1:
             raise PlanError("the groups of a pipeline plan were planned for different graphs")
+
+    def __repr__(self):
+        groups = ", ".join(f"{list(g.devices)}: {g.plan.name or 'plan'}" for g in self.groups)
+        cuts = f", cuts={list(self.cuts)}" if self.cuts is not None else ""
+        return f"PipelinePlan({self.name!r}, groups=[{groups}]{cuts})"
 
     @property
     def graph(self) -> Graph:

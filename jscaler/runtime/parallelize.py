@@ -163,6 +163,12 @@ def _precision_of(plan) -> str:
 
 def resolve_plan(plan, graph: Graph, n_devices: int) -> Plan:
     """A Plan from a space, a Plan, a JSON path or ``"dp"``."""
+    if isinstance(plan, PipelinePlan):
+        fp = graph_fingerprint(graph)
+        for g in plan.groups:
+            if g.plan.fingerprint != fp:
+                Plan.from_json(g.plan.to_json(), graph)  # raises the mismatch error
+        return plan
     if isinstance(plan, Plan):
         if plan.fingerprint != graph_fingerprint(graph):
             return Plan.from_json(plan.to_json(), graph)  # raises the mismatch error
