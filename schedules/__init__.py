@@ -4,6 +4,7 @@
 """
 
 from schedules.classic import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble
+from schedules.interlaced import interlaced
 from schedules.three_f_one_b import three_f_one_b
 
 SCHEDULES = {
@@ -12,11 +13,13 @@ SCHEDULES = {
     "interleaved_1f1b": interleaved_1f1b,
     "zero_bubble": zero_bubble,
     "three_f_one_b": three_f_one_b,
+    "interlaced": interlaced,
 }
 
 __all__ = [
     "SCHEDULES",
     "gpipe",
+    "interlaced",
     "interleaved_1f1b",
     "one_f_one_b",
     "three_f_one_b",

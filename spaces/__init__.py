@@ -6,6 +6,7 @@ command line accepts (``--plan "megatron(tp=2, dp=4)"``) to the functions making
 
 from spaces.coshard import coshard
 from spaces.dp import dp
+from spaces.interlaced import interlaced
 from spaces.megatron import megatron
 from spaces.sequence import ring, ulysses, usp
 from spaces.zero import zero
@@ -13,6 +14,7 @@ from spaces.zero import zero
 SPACES = {
     "coshard": coshard,
     "dp": dp,
+    "interlaced": interlaced,
     "megatron": megatron,
     "ring": ring,
     "ulysses": ulysses,
@@ -20,4 +22,4 @@ SPACES = {
     "zero": zero,
 }
 
-__all__ = ["SPACES", "coshard", "dp", "megatron", "ring", "ulysses", "usp", "zero"]
+__all__ = ["SPACES", "coshard", "dp", "interlaced", "megatron", "ring", "ulysses", "usp", "zero"]

@@ -220,3 +220,27 @@ def test_schedule_and_plan_must_agree():
         pipelined("mlp-tiny", megatron(tp=1), one_f_one_b, 2)
     with pytest.raises(jscaler.PlanError, match="cannot cut the graph into 16 stages"):
         pipelined("mlp-tiny", megatron(pp=8), interleaved_1f1b, 8)
+
+
+# ---- interlaced: the embedding over every device, 1F1B stages on the rest -------------
+
+
+def test_interlaced_embedding_over_all_devices_matches_one_device():
+    from schedules import interlaced as interlaced_schedule
+    from spaces import interlaced
+
+    trainer = assert_pipeline_parity("gpt-tiny", interlaced(pp=2, tp=2), interlaced_schedule, 4)
+    embed, first, last = trainer.stages
+    assert len(embed.low.mesh.devices.flat) == 8 and embed.group == 2
+    assert [trainer.graph.tensors[t].name for t in embed.params] == ["embed/embedding"]
+    (table,) = embed.params
+    assert embed.sharding(table).spec[0] == "tp"  # vocabulary split 8 ways
+    assert {d.id for d in first.low.mesh.devices.flat} == {0, 1, 2, 3}
+    assert [tuple(g) for g in trainer.log.blocks] == [tuple(g) for g in trainer.schedule.groups]
+
+
+def test_an_interlaced_plan_needs_the_interlaced_schedule():
+    from spaces import interlaced
+
+    with pytest.raises(jscaler.ScheduleError, match="needs the interlaced schedule"):
+        pipelined("gpt-tiny", interlaced(pp=2, tp=4), one_f_one_b, 4)

@@ -160,3 +160,18 @@ def test_recycling_passes_chain_through_the_last_stage():
     with pytest.raises(ScheduleError, match="micro-batches take 1 pass"):
         extra = _edit(gpipe(2, 2), 0, [*gpipe(2, 2).groups[0], Block(0, 0, "F", 1)])
         extra.check()
+
+
+def test_interlaced_time_shares_every_device_with_the_pipeline():
+    from schedules import interlaced
+
+    sched = interlaced(2, 4)
+    assert sched.stages == 3 and sched.whole == (2,) and sched.placement == (2, 0, 1)
+    assert jscaler.Schedule.from_json(sched.to_json()) == sched
+    tl = jscaler.simulate(sched)
+    spans = sorted(tl.spans.values())
+    embed = [tl.spans[b] for b in sched.groups[2]]
+    for s, e in embed:  # an embedding block overlaps no other block
+        assert all(e2 <= s or s2 >= e for s2, e2 in spans if (s2, e2) != (s, e))
+    # the embedding time adds to every group's busy time
+    assert tl.busy(0) == sum(e - s for s, e in embed) + 3 * 4  # F=1 + B=2 per micro-batch

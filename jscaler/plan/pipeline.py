@@ -55,14 +55,18 @@ class PipelinePlan:
       groups: the device groups; a schedule's group g runs on ``groups[g]``.
       name: for tables and logs, e.g. ``megatron(tp=2, dp=2, pp=2)``.
       cuts: op ids of the ops that start stages 1..S-1 (None: balanced).
+      whole: groups spanning every device, time-shared with the others (the interlaced
+        pipeline's embedding group); a schedule for this plan marks the same groups.
     """
 
     groups: tuple[StageGroup, ...]
     name: str = ""
     cuts: tuple[int, ...] | None = None
+    whole: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "whole", tuple(self.whole))
         if not self.groups:
             raise PlanError("a pipeline plan needs at least one device group")
         fps = {g.plan.fingerprint for g in self.groups}
@@ -77,6 +81,11 @@ class PipelinePlan:
     @property
     def graph(self) -> Graph:
         return self.groups[0].plan.graph
+
+    @property
+    def pipeline_groups(self) -> int:
+        """Groups that partition the devices (the ``p`` a schedule function is given)."""
+        return len(self.groups) - len(self.whole)
 
     @property
     def devices(self) -> tuple[int, ...]:

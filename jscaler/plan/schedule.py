@@ -69,6 +69,8 @@ class Schedule:
       microbatches: micro-batches per step.
       passes: forward passes per micro-batch (3 for AlphaFold2's 3F1B); only the last
         keeps activations for the backward.
+      whole: groups whose devices are every device (the interlaced schedule's
+        all-device embedding): their blocks time-share the devices with every other group.
     """
 
     name: str
@@ -77,6 +79,7 @@ class Schedule:
     groups: tuple[tuple[Block, ...], ...]
     placement: tuple[int, ...]
     passes: int = 1
+    whole: tuple[int, ...] = ()
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -87,7 +90,8 @@ class Schedule:
                 f"schedule {self.name!r}: placement names a group for {len(self.placement)} "
                 f"stages; the schedule has {self.stages}"
             )
-        bad = [g for g in self.placement if not 0 <= g < len(self.groups)]
+        object.__setattr__(self, "whole", tuple(self.whole))
+        bad = [g for g in (*self.placement, *self.whole) if not 0 <= g < len(self.groups)]
         if bad:
             raise ScheduleError(
                 f"schedule {self.name!r}: stage placed on group {bad[0]}, but there are "
@@ -248,6 +252,7 @@ class Schedule:
                 "microbatches": self.microbatches,
                 "passes": self.passes,
                 "placement": list(self.placement),
+                "whole": list(self.whole),
                 "groups": [[b.to_json() for b in g] for g in self.groups],
             }
         )
@@ -259,7 +264,13 @@ class Schedule:
             raise ScheduleError(f"schedule format {d.get('format')!r} is not {SCHEDULE_FORMAT}")
         groups = tuple(tuple(Block(s, m, k, p) for s, m, k, p in g) for g in d["groups"])
         return cls(
-            d["name"], d["stages"], d["microbatches"], groups, tuple(d["placement"]), d["passes"]
+            d["name"],
+            d["stages"],
+            d["microbatches"],
+            groups,
+            tuple(d["placement"]),
+            d["passes"],
+            tuple(d.get("whole", ())),
         )
 
     def __str__(self):
@@ -267,6 +278,14 @@ class Schedule:
         for gi, g in enumerate(self.groups):
             lines.append(f"  group {gi}: " + " ".join(map(str, g)))
         return "\n".join(lines)
+
+    def plot(self, path, cost=None):
+        """Draws the simulated timeline to a PNG at ``path`` (one row per device group);
+        returns the :class:`~jscaler.plan.timeline.Timeline`. See
+        :func:`jscaler.plan.plot.plot` (needs matplotlib)."""
+        from jscaler.plan.plot import plot
+
+        return plot(self, path, cost)
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:

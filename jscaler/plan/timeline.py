@@ -1,7 +1,8 @@
 """Playing a schedule in time: when each block runs, the bubble, activations in flight.
 
 Each group runs its blocks in its order; a block starts when its group is free and the
-blocks it needs have finished. With unit costs (F = 1, B = 2, or B = W = 1 when the
+blocks it needs have finished. A block of an all-device group (``Schedule.whole``) waits
+for every device and occupies them all. With unit costs (F = 1, B = 2, or B = W = 1 when the
 backward is split, R = 1) GPipe and 1F1B idle a fraction (p-1)/(m+p-1) of the time.
 """
 
@@ -28,12 +29,20 @@ class Timeline:
         return max(end for _, end in self.spans.values())
 
     def busy(self, group: int) -> float:
-        return sum(e - s for b, (s, e) in self.spans.items() if self._group(b) == group)
+        """Time the group's devices compute (an all-device group's blocks included)."""
+        whole = self.schedule.whole
+        return sum(
+            e - s
+            for b, (s, e) in self.spans.items()
+            if self._group(b) == group or (self._group(b) in whole and group not in whole)
+        )
 
     def bubble(self) -> float:
-        """The fraction of group-time spent idle."""
-        n = len(self.schedule.groups)
-        return 1 - sum(self.busy(g) for g in range(n)) / (n * self.makespan)
+        """The fraction of device-time spent idle (over the groups that partition the
+        devices; an all-device group's blocks keep all of them busy)."""
+        sched = self.schedule
+        groups = [g for g in range(len(sched.groups)) if g not in sched.whole]
+        return 1 - sum(self.busy(g) for g in groups) / (len(groups) * self.makespan)
 
     def in_flight(self) -> list[int]:
         """Per stage, the most micro-batches whose activations are held at once
@@ -53,7 +62,10 @@ def simulate(schedule: Schedule, cost=None) -> Timeline:
     for rnd in schedule.order():
         for b in rnd:
             g = schedule.placement[b.stage]
-            start = max([free[g], *(spans[d][1] for d in schedule.deps(b))])
+            # an all-device group waits for every device, and holds them all
+            busy = range(len(free)) if g in schedule.whole else [g, *schedule.whole]
+            start = max([*(free[k] for k in busy), *(spans[d][1] for d in schedule.deps(b))])
             spans[b] = (start, start + cost[b.kind])
-            free[g] = start + cost[b.kind]
+            for k in range(len(free)) if g in schedule.whole else [g]:
+                free[k] = start + cost[b.kind]
     return Timeline(schedule, spans)

@@ -121,7 +121,7 @@ def parallelize(
     plan = resolve_plan(plan, graph, len(devices))
     if isinstance(plan, PipelinePlan):
         plan.validate(len(devices))
-        sched = resolve_schedule(schedule, len(plan.groups), microbatches)
+        sched = resolve_schedule(schedule, plan, microbatches)
         return PipelineTrainer(graph, plan, sched, devices, optimizer, model, shapes, precision)
     if schedule is not None:
         raise PlanError(
@@ -133,12 +133,13 @@ def parallelize(
     return Trainer(graph, lowered, optimizer, model, microbatches, shapes, precision)
 
 
-def resolve_schedule(schedule, groups: int, microbatches: int) -> Schedule:
-    """A checked Schedule for ``groups`` device groups and ``microbatches``."""
+def resolve_schedule(schedule, plan: PipelinePlan, microbatches: int) -> Schedule:
+    """A checked Schedule for the plan's device groups and ``microbatches``; a function
+    is called with the number of groups that partition the devices."""
     if schedule is None:
         schedule = one_f_one_b
     if callable(schedule) and not isinstance(schedule, Schedule):
-        schedule = schedule(groups, microbatches)
+        schedule = schedule(plan.pipeline_groups, microbatches)
     if not isinstance(schedule, Schedule):
         raise ScheduleError(
             f"schedule must be a Schedule or a function making one, got {schedule!r}"
@@ -147,6 +148,12 @@ def resolve_schedule(schedule, groups: int, microbatches: int) -> Schedule:
         raise ScheduleError(
             f"schedule {schedule.name!r} runs {schedule.microbatches} micro-batches but "
             f"microbatches={microbatches}; pass the same count to both"
+        )
+    if tuple(schedule.whole) != tuple(plan.whole):
+        raise ScheduleError(
+            f"the plan {plan.name!r} has all-device groups {list(plan.whole)} and schedule "
+            f"{schedule.name!r} {list(schedule.whole)}; an interlaced plan needs the "
+            f"interlaced schedule (schedules.interlaced), a plain pipeline any other"
         )
     return schedule.check()
 
