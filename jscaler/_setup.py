@@ -41,3 +41,32 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def init_distributed() -> bool:
+    """Joins a multi-process run; call before JAX starts its backends.
+
+    ``jscaler launch`` sets ``JSCALER_COORDINATOR`` (host:port), ``JSCALER_NUM_PROCESSES``,
+    ``JSCALER_PROCESS_ID``, ``JSCALER_LOCAL_DEVICES`` and ``JSCALER_TRANSFER_ADDRESS`` (the
+    socket cross-process ``device_put`` uses). On a cluster (SLURM, Open MPI) with more than
+    one task, ``jax.distributed.initialize()`` finds the same from the environment.
+    Returns True when this process is one of several.
+    """
+    import jax
+
+    env = os.environ
+    if "JSCALER_COORDINATOR" in env:
+        use_cpu_devices(int(env.get("JSCALER_LOCAL_DEVICES", "1")))
+        if addr := env.get("JSCALER_TRANSFER_ADDRESS"):
+            jax.config.update("jax_cross_host_transfer_socket_address", addr)
+        jax.distributed.initialize(
+            env["JSCALER_COORDINATOR"],
+            num_processes=int(env["JSCALER_NUM_PROCESSES"]),
+            process_id=int(env["JSCALER_PROCESS_ID"]),
+        )
+        return True
+    tasks = env.get("SLURM_NTASKS") or env.get("OMPI_COMM_WORLD_SIZE")
+    if tasks and int(tasks) > 1:
+        jax.distributed.initialize()
+        return True
+    return False

@@ -125,17 +125,43 @@ def _parser() -> argparse.ArgumentParser:
     )
     ve.set_defaults(run=_verify)
 
+    la = sub.add_parser(
+        "launch",
+        help="run a jscaler command as N local processes of one JAX program",
+        description="Start N processes of a command on this machine, each with its own "
+        "simulated CPU devices, joined by jax.distributed.initialize on 127.0.0.1; e.g. "
+        "jscaler launch --nprocs 2 --devices-per-proc 4 -- jscaler train --model gpt-tiny "
+        '--plan "megatron(pp=2, dp=4)". On a cluster, start the command with srun/mpirun '
+        "instead: jscaler joins the run from the SLURM / Open MPI environment.",
+    )
+    la.add_argument("--nprocs", type=int, default=2, help="processes (default 2)")
+    la.add_argument(
+        "--devices-per-proc", type=int, default=4, help="CPU devices per process (default 4)"
+    )
+    la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
+    la.set_defaults(run=None, devices=None)
+
     be = sub.add_parser(
         "bench",
-        help="benchmarks: 'spmd' compares plans with plain JAX (memory, collectives, time)",
+        help="benchmarks: 'spmd' compares plans with plain JAX (memory, collectives, time); "
+        "'pipeline' compares pipeline schedules (simulated bubbles, MPMD vs SPMD step times)",
         description="Run a benchmark and print its table. 'spmd': for one model on N "
         "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
         "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
-        "Megatron name rules and plain jax.jit data parallelism, with ratios.",
+        "Megatron name rules and plain jax.jit data parallelism, with ratios. 'pipeline': "
+        "each schedule's simulated bubble beside (p-1)/(m+p-1), then SGD step times of the "
+        "MPMD pipeline runtime per schedule against the SPMD fast path (spmd_pipeline), "
+        "with the first-step loss of each.",
     )
-    be.add_argument("which", choices=["spmd"], help="the benchmark")
-    be.add_argument("--model", default="gpt-small", help="model (default gpt-small, 21M)")
+    be.add_argument("which", choices=["spmd", "pipeline"], help="the benchmark")
+    be.add_argument(
+        "--model", default=None, help="model (default gpt-small, 21M; pipeline: gpt-tiny)"
+    )
     be.add_argument("--steps", type=int, default=3, help="timed steps per plan (default 3)")
+    be.add_argument("--pp", type=int, default=4, help="pipeline: stages (default 4)")
+    be.add_argument(
+        "--microbatches", type=int, default=None, help="pipeline: micro-batches (default pp)"
+    )
     be.add_argument(
         "--plan",
         action="append",
@@ -391,9 +417,12 @@ def _verify(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.which == "pipeline":
+        return _bench_pipeline(args)
     from bench import spmd
 
     n = args.devices or 8
+    args.model = args.model or "gpt-small"
     plans = {expr: parse_plan(expr) for expr in args.plan} if args.plan else None
     spec, rows = spmd.run(args.model, n, steps=args.steps, plans=plans)
     if args.json:
@@ -452,11 +481,42 @@ def _classic_shape(schedule) -> bool:
     )
 
 
+def _bench_pipeline(args) -> int:
+    from dataclasses import asdict
+
+    from bench import pipeline
+
+    n = args.devices or 8
+    spec, bubbles, rows, skipped = pipeline.run(
+        args.model or "gpt-tiny", n, args.pp, args.microbatches, args.steps
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "bubbles": [asdict(b) | {"formula": b.formula} for b in bubbles],
+                    "steps": [asdict(r) for r in rows],
+                    "skipped": skipped,
+                },
+                indent=1,
+            )
+        )
+    else:
+        print(pipeline.table(spec, bubbles, rows, n, args.pp, skipped))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from jscaler._setup import enable_compilation_cache, use_cpu_devices
+    from jscaler._setup import enable_compilation_cache, init_distributed, use_cpu_devices
 
-    use_cpu_devices(args.devices or 8)
+    if args.command == "launch":
+        from jscaler.launch import launch
+
+        command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return launch(command, args.nprocs, args.devices_per_proc)
+    if not init_distributed():
+        use_cpu_devices(args.devices or 8)
     enable_compilation_cache()
     from jscaler.errors import JscalerError
 

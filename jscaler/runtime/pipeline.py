@@ -18,17 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jscaler.compile.lower import lower
 from jscaler.errors import PlanError, ScheduleError
 from jscaler.ir.graph import Graph
 from jscaler.plan.pipeline import PipelinePlan, stage_of_ops
 from jscaler.plan.schedule import Block, Schedule
+from jscaler.runtime.handoff import handoff_for
 from jscaler.runtime.stages import Stage, build_stages
 
 __all__ = ["DriverLog", "PipelineTrainer"]
@@ -99,17 +100,15 @@ class PipelineTrainer:
         self._param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
         self._state_ids = [t for t in graph.inputs if graph.tensors[t].role == "state"]
         self._batch_ids = [t for t in graph.inputs if graph.tensors[t].role == "batch"]
-        # the update's mesh: every device of the pipeline, one axis
-        all_devs = [devices[d] for d in pplan.devices]
-        self._mesh = Mesh(np.array(all_devs), ("pipe",), axis_types=(AxisType.Auto,))
-        n = len(all_devs)
-        self._rep = NamedSharding(self._mesh, PartitionSpec())
-        self._master_shard = [
-            NamedSharding(self._mesh, _zero_spec(graph.tensors[t].shape, n))
-            for t in self._param_ids
-        ]
+        # the update runs on every pipeline device (see jscaler.runtime.handoff)
+        shapes = [graph.tensors[t].shape for t in self._param_ids]
+        self._handoff = handoff_for(
+            self.stages, devices, pplan, self._param_ids, shapes, stacked=_multi_process()
+        )
+        self._rep = self._handoff.rep
+        self._master_shard = self._handoff.master
         self._master = [
-            jax.device_put(jnp.array(x, copy=True), s) for x, s in zip(p_leaves, self._master_shard)
+            jax.device_put(np.array(x), s) for x, s in zip(p_leaves, self._master_shard)
         ]
         tree = self._tree(self._master)
         abstract = jax.eval_shape(optimizer.init, tree)
@@ -125,8 +124,12 @@ class PipelineTrainer:
         unused = [graph.tensors[t].name for t, us in self._users.items() if not us]
         if unused:
             raise PlanError(f"parameter {unused[0]!r} is read by no stage")
-        self._state = dict(zip(self._state_ids, s_leaves))
-        self._stage_params = self._scatter(self._master)
+        self._state = dict(zip(self._state_ids, [np.asarray(x) for x in s_leaves]))
+        by_id = dict(zip(self._param_ids, p_leaves))
+        self._stage_params = [
+            [jax.device_put(np.array(by_id[t]), st.sharding(t)) for t in st.params]
+            for st in self.stages
+        ]
         self._stage_state = [
             [jax.device_put(self._state[t], st.sharding(t)) for t in st.state] for st in self.stages
         ]
@@ -140,7 +143,9 @@ class PipelineTrainer:
     @property
     def params(self):
         """The current parameters, gathered to full arrays (nnx State or your pytree)."""
-        return self._tree([jax.device_get(p) for p in self._master])
+        return self._tree(
+            [np.asarray(multihost_utils.process_allgather(p, tiled=True)) for p in self._master]
+        )
 
     @property
     def model(self):
@@ -151,11 +156,6 @@ class PipelineTrainer:
             self._sig.state_def, [self._state[t] for t in self._state_ids]
         )
         return nnx.merge(self._graphdef, self.params, state)
-
-    def _scatter(self, master) -> list[list]:
-        """Each stage's copy of the parameters it reads, in its storage layout."""
-        by_id = dict(zip(self._param_ids, master))
-        return [[jax.device_put(by_id[t], st.sharding(t)) for t in st.params] for st in self.stages]
 
     # ---- the driver ---------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ class PipelineTrainer:
         losses = []
         log = DriverLog([[] for _ in self.schedule.groups], [0] * len(stages))
         alive = [0] * len(stages)
-        seed = jnp.float32(1.0 / m)
+        seed = np.float32(1.0 / m)  # a host value: every process places its own copy
 
         def inputs(st, j):
             a = [acts.pop((t, j, st.index)) for t in st.acts_in]
@@ -230,6 +230,9 @@ class PipelineTrainer:
         def send_back(st, j, d_acts):
             for t, v in zip(st.acts_in, d_acts):
                 src = stages[self._producer(t)]
+                # same layout on this mesh first: across processes, device_put moves an
+                # array between device sets only shard for shard
+                v = jax.device_put(v, st.sharding(t))
                 cots[(t, j, st.index)] = jax.device_put(v, src.sharding(t))
 
         for b in self._order:
@@ -262,36 +265,26 @@ class PipelineTrainer:
                 alive[b.stage] -= 1
                 add_grads(st, d_params)
         self.log = log
-        loss = sum(float(x) for x in losses) / m
-        return loss, grads
+        total = losses[0] if len(losses) == 1 else _add(losses[0], losses[1:])
+        return self._handoff.scalar(total) / m, grads
 
     def _producer(self, t: int) -> int:
         return next(st.index for st in self.stages if t in st.acts_out)
 
     # ---- the update ---------------------------------------------------------------------
 
-    def _contributions(self, grads) -> list[list]:
-        """Per parameter: its gradient from every stage reading it, on the update mesh."""
-        out = []
-        for t, sh in zip(self._param_ids, self._master_shard):
-            parts = []
-            for st in self._users[t]:
-                parts.append(jax.device_put(grads[st.index][st.params.index(t)], sh))
-            out.append(parts)
-        return out
-
     def _build_update(self):
         def update(master, opt_state, contributions):
-            g = [sum(parts[1:], parts[0]) for parts in contributions]
+            g = [self._handoff.reduce(parts) for parts in contributions]
             grad_norm = optax.tree.norm(g)
             p_tree, g_tree = self._tree(master), self._tree(g)
             updates, opt_state = self._optimizer.update(g_tree, opt_state, p_tree)
             new = jax.tree_util.tree_leaves(optax.apply_updates(p_tree, updates))
-            return new, opt_state, grad_norm
+            return new, opt_state, grad_norm, self._handoff.broadcast(new)
 
         return jax.jit(
             update,
-            out_shardings=(self._master_shard, self._opt_shard, self._rep),
+            out_shardings=(self._master_shard, self._opt_shard, self._rep, None),
             donate_argnums=(0, 1),
         )
 
@@ -300,20 +293,17 @@ class PipelineTrainer:
         loss, grads = self._run(batch)
         if self._update_fn is None:
             self._update_fn = self._build_update()
-        self._master, self._opt_state, gnorm = self._update_fn(
-            self._master, self._opt_state, self._contributions(grads)
+        self._master, self._opt_state, gnorm, stacked = self._update_fn(
+            self._master, self._opt_state, self._handoff.gradients(grads)
         )
-        self._stage_params = self._scatter(self._master)
+        self._stage_params = self._handoff.stage_params(self._master, stacked)
         self.step_count += 1
-        return {"loss": loss, "grad_norm": float(gnorm)}
+        return {"loss": loss, "grad_norm": float(np.asarray(gnorm.addressable_data(0)))}
 
     def value_and_grad(self, batch):
         """Loss and gathered gradients at the current parameters, without an update."""
         loss, grads = self._run(batch)
-        total = [
-            sum(np.asarray(jax.device_get(p)) for p in parts)
-            for parts in self._contributions(grads)
-        ]
+        total = [self._handoff.gathered(parts) for parts in self._handoff.gradients(grads)]
         return loss, self._tree(total)
 
     def comm_table(self):
@@ -339,9 +329,5 @@ def _add_one(a, b):
     return a + b
 
 
-def _zero_spec(shape, n: int) -> PartitionSpec:
-    """Split the first axis divisible by n over the pipeline's devices, else replicate."""
-    for k, s in enumerate(shape):
-        if s % n == 0:
-            return PartitionSpec(*([None] * k), "pipe")
-    return PartitionSpec()
+def _multi_process() -> bool:
+    return jax.process_count() > 1

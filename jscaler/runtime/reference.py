@@ -55,7 +55,7 @@ def reference_steps(model_or_params, loss_fn, optimizer, batches, device=None, c
             cast = map_floats(model_or_params, batch, lambda x: x.astype(compute_dtype))
             return user_loss(*cast).astype(jnp.float32)
 
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     out = []
     with jax.default_device(device):
         if isinstance(model_or_params, nnx.Module):
