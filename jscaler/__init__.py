@@ -65,6 +65,7 @@ from jscaler.runtime import PipelineTrainer as PipelineTrainer
 from jscaler.runtime import Space as Space
 from jscaler.runtime import Trainer as Trainer
 from jscaler.runtime import parallelize as parallelize
+from jscaler.runtime import spmd_pipeline as spmd_pipeline
 
 __version__ = "0.1.0"
 
@@ -120,6 +121,7 @@ __all__ = [
     "register_op",
     "replicate",
     "split",
+    "spmd_pipeline",
     "trace",
     "validate",
 ]

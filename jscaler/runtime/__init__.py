@@ -6,4 +6,5 @@ Imports ``jscaler.ir``, ``jscaler.plan`` and ``jscaler.compile``.
 from jscaler.runtime.parallelize import Space as Space
 from jscaler.runtime.parallelize import parallelize as parallelize
 from jscaler.runtime.pipeline import PipelineTrainer as PipelineTrainer
+from jscaler.runtime.spmd_pipeline import spmd_pipeline as spmd_pipeline
 from jscaler.runtime.trainer import Trainer as Trainer
