@@ -111,7 +111,7 @@ def make_trainer(model_name, plan, batch_size=None, devices=8):
     [
         (megatron(tp=3), "divisible by tp"),
         (megatron(tp=2, dp=2), "uses dp\\*tp\\*pp=4 devices"),
-        (megatron(tp=2, pp=2), "pipeline stages are not supported yet"),
+        (megatron(tp=2, pp=3), "divisible by tp\\*pp=6"),
     ],
 )
 def test_degrees_that_do_not_divide_the_devices_are_errors(plan, message):
