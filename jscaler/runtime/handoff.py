@@ -39,12 +39,16 @@ class DevicePut:
     def __init__(self, stages, devices, pplan, param_ids, shapes):
         self.stages = stages
         self.param_ids = param_ids
-        devs = [devices[d] for d in pplan.devices]
-        self.mesh = Mesh(np.array(devs), ("pipe",), axis_types=(AxisType.Auto,))
-        self.rep = NamedSharding(self.mesh, PartitionSpec())
-        n = len(devs)
-        self.master = [NamedSharding(self.mesh, zero_spec(s, n, ("pipe",))) for s in shapes]
+        self.shapes = dict(zip(param_ids, shapes))
         self.users = {t: [st for st in stages if t in st.params] for t in param_ids}
+        self.mesh = self._mesh(stages, devices, pplan)
+        self.rep = NamedSharding(self.mesh, PartitionSpec())
+        n, axes = self.mesh.size, self.mesh.axis_names
+        self.master = [NamedSharding(self.mesh, zero_spec(s, n, axes)) for s in shapes]
+
+    def _mesh(self, stages, devices, pplan) -> Mesh:
+        devs = [devices[d] for d in pplan.devices]
+        return Mesh(np.array(devs), ("pipe",), axis_types=(AxisType.Auto,))
 
     def gradients(self, grads) -> list:
         """Per parameter, the parts to sum (one per stage reading it), on the update mesh."""
@@ -76,6 +80,11 @@ class Stacked(DevicePut):
     the shards each group holds, so no array changes device set outside a program."""
 
     def __init__(self, stages, devices, pplan, param_ids, shapes):
+        super().__init__(stages, devices, pplan, param_ids, shapes)
+        # the layout each parameter has on its groups (one plan per group shape)
+        self.spec = {t: self.users[t][0].sharding(t).spec for t in param_ids}
+
+    def _mesh(self, stages, devices, pplan) -> Mesh:
         if pplan.whole:
             raise PlanError(
                 f"pipeline {pplan.name!r}: an all-device group cannot hand its arrays to the "
@@ -91,20 +100,10 @@ class Stacked(DevicePut):
                     f"pipeline {pplan.name!r}: group {g} has mesh {dict(m.shape)}, group 0 "
                     f"{dict(first.shape)}; across processes every group needs one mesh shape"
                 )
-        self.stages = stages
-        self.param_ids = param_ids
         self.groups = meshes
         names = ("pipe", *first.axis_names)
-        self.mesh = Mesh(
-            np.stack([m.devices for m in meshes]), names, axis_types=(AxisType.Auto,) * len(names)
-        )
-        self.rep = NamedSharding(self.mesh, PartitionSpec())
-        n = self.mesh.size
-        self.master = [NamedSharding(self.mesh, zero_spec(s, n, names)) for s in shapes]
-        self.users = {t: [st for st in stages if t in st.params] for t in param_ids}
-        self.shapes = dict(zip(param_ids, shapes))
-        # the layout each parameter has on its groups (one plan per group shape)
-        self.spec = {t: self.users[t][0].sharding(t).spec for t in param_ids}
+        stacked = np.stack([m.devices for m in meshes])
+        return Mesh(stacked, names, axis_types=(AxisType.Auto,) * len(names))
 
     def _stacked_sharding(self, spec) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec("pipe", *spec))

@@ -31,6 +31,7 @@ from jscaler.plan.pipeline import PipelinePlan, stage_of_ops
 from jscaler.plan.schedule import Block, Schedule
 from jscaler.runtime.handoff import handoff_for
 from jscaler.runtime.stages import Stage, build_stages
+from jscaler.runtime.trainer import batch_leaves, microbatches
 
 __all__ = ["DriverLog", "PipelineTrainer"]
 
@@ -72,7 +73,7 @@ class PipelineTrainer:
                 f"schedule {schedule.name!r} runs {schedule.passes} forward passes per "
                 f"micro-batch; this model's graph is one pass (trace a recycling model)"
             )
-        if len([x for x in graph.outputs]) != 1:
+        if len(graph.outputs) != 1:
             raise PlanError(
                 "pipelines train models without mutable state (the loss function updates "
                 f"{len(graph.outputs) - 1} state variable(s)); use a plan without pp"
@@ -93,6 +94,7 @@ class PipelineTrainer:
         dtypes = {t: graph.tensors[t].dtype for t in graph.inputs}
         self.stages: list[Stage] = build_stages(lowered, schedule.placement, stage_of, dtypes)
         self._order = [b for rnd in schedule.order() for b in rnd]
+        self._producer = {t: st.index for st in self.stages for t in st.acts_out}
         self.log = DriverLog()
         self.step_count = 0
 
@@ -100,6 +102,10 @@ class PipelineTrainer:
         self._param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
         self._state_ids = [t for t in graph.inputs if graph.tensors[t].role == "state"]
         self._batch_ids = [t for t in graph.inputs if graph.tensors[t].role == "batch"]
+        read = {t for st in self.stages for t in st.params}
+        unused = [graph.tensors[t].name for t in self._param_ids if t not in read]
+        if unused:
+            raise PlanError(f"parameter {unused[0]!r} is read by no stage")
         # the update runs on every pipeline device (see jscaler.runtime.handoff)
         shapes = [graph.tensors[t].shape for t in self._param_ids]
         self._handoff = handoff_for(
@@ -120,10 +126,6 @@ class PipelineTrainer:
             transform_non_params=lambda _: self._rep,
         )
         self._opt_state = jax.jit(optimizer.init, out_shardings=self._opt_shard)(tree)
-        self._users = {t: [st for st in self.stages if t in st.params] for t in self._param_ids}
-        unused = [graph.tensors[t].name for t, us in self._users.items() if not us]
-        if unused:
-            raise PlanError(f"parameter {unused[0]!r} is read by no stage")
         self._state = dict(zip(self._state_ids, [np.asarray(x) for x in s_leaves]))
         by_id = dict(zip(self._param_ids, p_leaves))
         self._stage_params = [
@@ -162,22 +164,9 @@ class PipelineTrainer:
     def _split_batch(self, batch) -> list[list]:
         """Per stage, per micro-batch: the batch leaves the stage reads, on its mesh.
         Micro-batch j holds rows j, j+m, j+2m, ... (as the single-program trainer)."""
-        leaves, tdef = jax.tree_util.tree_flatten(batch)
-        if tdef != self._sig.batch_def:
-            raise PlanError(
-                f"the batch has structure {tdef}; the trainer was made for {self._sig.batch_def}"
-            )
-        for i, (x, want) in enumerate(zip(leaves, self._batch_shapes)):
-            if tuple(x.shape) != tuple(want.shape):
-                raise PlanError(
-                    f"batch leaf {i} has shape {tuple(x.shape)}; the trainer was made for "
-                    f"{tuple(want.shape)} (the example batch's shape)"
-                )
+        leaves = batch_leaves(batch, self._sig, self._batch_shapes)
         m = self._m
-        host = {
-            t: np.asarray(x).reshape(x.shape[0] // m, m, *x.shape[1:])
-            for t, x in zip(self._batch_ids, leaves)
-        }
+        host = {t: microbatches(np.asarray(x), m) for t, x in zip(self._batch_ids, leaves)}
         return [
             [[jax.device_put(host[t][:, j], st.sharding(t)) for t in st.batch] for j in range(m)]
             for st in self.stages
@@ -215,21 +204,18 @@ class PipelineTrainer:
             losses.extend(outs[:1])
 
         def add_grads(st, g):
-            grads[st.index] = g if grads[st.index] is None else _add(grads[st.index], g)
+            grads[st.index] = g if grads[st.index] is None else _add_lists(grads[st.index], g)
 
         def out_cot(st, j):
-            ca = []
-            for t in st.acts_out:
-                parts = [cots.pop((t, j, c)) for c in st.consumers[t]]
-                ca.append(parts[0] if len(parts) == 1 else _add(parts[0], parts[1:]))
-            co = [jax.device_put(seed, NamedSharding(st.low.mesh, PartitionSpec()))] * len(
-                st.outputs
-            )
-            return ca, co
+            ca = [_sum([cots.pop((t, j, c)) for c in st.consumers[t]]) for t in st.acts_out]
+            if not st.outputs:
+                return ca, []
+            one = jax.device_put(seed, NamedSharding(st.low.mesh, PartitionSpec()))
+            return ca, [one] * len(st.outputs)
 
         def send_back(st, j, d_acts):
             for t, v in zip(st.acts_in, d_acts):
-                src = stages[self._producer(t)]
+                src = stages[self._producer[t]]
                 # same layout on this mesh first: across processes, device_put moves an
                 # array between device sets only shard for shard
                 v = jax.device_put(v, st.sharding(t))
@@ -265,11 +251,7 @@ class PipelineTrainer:
                 alive[b.stage] -= 1
                 add_grads(st, d_params)
         self.log = log
-        total = losses[0] if len(losses) == 1 else _add(losses[0], losses[1:])
-        return self._handoff.scalar(total) / m, grads
-
-    def _producer(self, t: int) -> int:
-        return next(st.index for st in self.stages if t in st.acts_out)
+        return self._handoff.scalar(_sum(losses)) / m, grads
 
     # ---- the update ---------------------------------------------------------------------
 
@@ -310,23 +292,23 @@ class PipelineTrainer:
         raise PlanError("comm_table() covers single-program plans; a pipeline has one per group")
 
 
+def _sum(values):
+    """Sums arrays on one mesh (cotangents from several consumers, the micro-batches'
+    losses); a single value is returned as it is."""
+    total = values[0]
+    for v in values[1:]:
+        total = _add(total, v)
+    return total
+
+
+@jax.jit
 def _add(a, b):
-    """Sums two gradient lists (or one value and a list of more), on their own mesh."""
-    if isinstance(b, list) and not isinstance(a, list):
-        for x in b:
-            a = _add_one(a, x)
-        return a
-    return _add_list(a, b)
-
-
-@jax.jit
-def _add_list(a, b):
-    return [x + y for x, y in zip(a, b)]
-
-
-@jax.jit
-def _add_one(a, b):
     return a + b
+
+
+@jax.jit
+def _add_lists(a, b):
+    return [x + y for x, y in zip(a, b)]
 
 
 def _multi_process() -> bool:

@@ -126,7 +126,7 @@ class Trainer:
         if m == 1:
             (loss, state), grads = grad_fn(params, state, batch)
             return loss, state, reduce_grads(grads)
-        split = [_microbatches(b, m) for b in batch]
+        split = [microbatches(b, m) for b in batch]
 
         def body(carry, i):
             loss_sum, grads_sum, state = carry
@@ -169,18 +169,7 @@ class Trainer:
         )
 
     def _put_batch(self, batch) -> list:
-        leaves, tdef = jax.tree_util.tree_flatten(batch)
-        if tdef != self._sig.batch_def:
-            raise PlanError(
-                f"the batch has structure {tdef}; the trainer was made for {self._sig.batch_def}"
-            )
-        for i, (x, want) in enumerate(zip(leaves, self._batch_shapes)):
-            if tuple(x.shape) != tuple(want.shape):
-                raise PlanError(
-                    f"batch leaf {i} has shape {tuple(x.shape)}; the trainer was made for "
-                    f"{tuple(want.shape)} (the example batch's shape)"
-                )
-        return _place(leaves, self._b_shard)
+        return _place(batch_leaves(batch, self._sig, self._batch_shapes), self._b_shard)
 
     def compiled(self, batch):
         """The compiled training step for this batch: ``.as_text()`` shows the collectives
@@ -225,7 +214,22 @@ class Trainer:
         return float(loss), self._tree([jax.device_get(g) for g in grads])
 
 
-def _microbatches(x, m: int):
+def batch_leaves(batch, sig, shapes) -> list:
+    """The batch's leaves, after checking its structure and shapes against the example
+    batch the trainer was made for."""
+    leaves, tdef = jax.tree_util.tree_flatten(batch)
+    if tdef != sig.batch_def:
+        raise PlanError(f"the batch has structure {tdef}; the trainer was made for {sig.batch_def}")
+    for i, (x, want) in enumerate(zip(leaves, shapes)):
+        if tuple(x.shape) != tuple(want.shape):
+            raise PlanError(
+                f"batch leaf {i} has shape {tuple(x.shape)}; the trainer was made for "
+                f"{tuple(want.shape)} (the example batch's shape)"
+            )
+    return leaves
+
+
+def microbatches(x, m: int):
     """(B, ...) -> (B/m, m, ...): micro-batch j is rows j, j+m, j+2m, ... (local to each
     data-parallel shard, so splitting needs no communication)."""
     return x.reshape(x.shape[0] // m, m, *x.shape[1:])
