@@ -206,6 +206,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse_call(expr: str, flag: str, table: dict, error, expected: str):
+    """``(name, args, kwargs)`` of ``"name"`` or ``"name(literal, key=literal)"`` with
+    ``name`` in ``table``; args and kwargs are None for a bare name."""
+    try:
+        node = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise error(f"{flag} {expr!r} is not an expression: {e.msg}") from None
+    name = node.id if isinstance(node, ast.Name) else getattr(getattr(node, "func", None), "id", "")
+    if not isinstance(node, ast.Name | ast.Call) or name not in table:
+        raise error(f"{flag} {expr!r}: expected {expected}")
+    if isinstance(node, ast.Name):
+        return name, None, None
+    try:
+        args = [ast.literal_eval(a) for a in node.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except ValueError:
+        raise error(f"{flag} {expr!r}: arguments must be literals") from None
+    return name, args, kwargs
+
+
 def parse_plan(expr: str):
     """A space from ``"megatron(tp=2, dp=4)"`` (literal arguments only), a bare space
     name, or a plan JSON path (returned as the path)."""
@@ -216,25 +236,10 @@ def parse_plan(expr: str):
 
     if os.path.exists(expr):
         return expr
-    try:
-        node = ast.parse(expr.strip(), mode="eval").body
-    except SyntaxError as e:
-        raise PlanError(f"--plan {expr!r} is not an expression: {e.msg}") from None
-    name = (
-        node.id if isinstance(node, ast.Name) else getattr(getattr(node, "func", None), "id", None)
-    )
-    if not isinstance(node, ast.Name | ast.Call) or name not in SPACES:
-        raise PlanError(
-            f"--plan {expr!r}: expected a call of one of {sorted(SPACES)} such as "
-            f'"megatron(tp=2)", or a plan JSON path'
-        )
-    if isinstance(node, ast.Name):
+    expected = f'a call of one of {sorted(SPACES)} such as "megatron(tp=2)", or a plan JSON path'
+    name, args, kwargs = _parse_call(expr, "--plan", SPACES, PlanError, expected)
+    if args is None:
         return SPACES[name]()
-    try:
-        args = [ast.literal_eval(a) for a in node.args]
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-    except ValueError:
-        raise PlanError(f"--plan {expr!r}: arguments must be literals") from None
     try:
         return SPACES[name](*args, **kwargs)
     except TypeError as e:
@@ -251,20 +256,11 @@ def parse_schedule(expr: str | None):
 
     if expr is None:
         return None
-    try:
-        node = ast.parse(expr.strip(), mode="eval").body
-    except SyntaxError as e:
-        raise ScheduleError(f"--schedule {expr!r} is not an expression: {e.msg}") from None
-    name = node.id if isinstance(node, ast.Name) else getattr(getattr(node, "func", None), "id", "")
-    if name not in SCHEDULES:
-        raise ScheduleError(f"--schedule {expr!r}: expected one of {sorted(SCHEDULES)}")
-    if isinstance(node, ast.Name):
+    expected = f"one of {sorted(SCHEDULES)}"
+    name, args, kwargs = _parse_call(expr, "--schedule", SCHEDULES, ScheduleError, expected)
+    if args is None:
         return SCHEDULES[name]
-    try:
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-    except ValueError:
-        raise ScheduleError(f"--schedule {expr!r}: arguments must be literals") from None
-    if node.args:
+    if args:
         raise ScheduleError(f"--schedule {expr!r}: pass arguments by keyword, e.g. chunks=2")
     return functools.partial(SCHEDULES[name], **kwargs)
 
