@@ -55,6 +55,7 @@ from jscaler.plan import one_f_one_b as one_f_one_b
 from jscaler.plan import op_assign as op_assign
 from jscaler.plan import op_order as op_order
 from jscaler.plan import op_trans as op_trans
+from jscaler.plan import order_schedule as order_schedule
 from jscaler.plan import recompute as recompute
 from jscaler.plan import replicate as replicate
 from jscaler.plan import simulate as simulate
@@ -76,6 +77,7 @@ __all__ = [
     "Block",
     "stage_of_ops",
     "one_f_one_b",
+    "order_schedule",
     "StageGroup",
     "PipelineTrainer",
     "PipelinePlan",

@@ -15,7 +15,7 @@ from typing import Any
 
 from flax import nnx
 
-from models import convnet, gpt, mlp
+from models import convnet, gpt, mlp, recycler
 
 __all__ = ["ModelSpec", "UnknownModelError", "get", "names"]
 
@@ -67,7 +67,7 @@ def _gpt_spec(name: str, cfg: gpt.GPTConfig, batch_size: int, what: str) -> Mode
 
 
 def _build() -> dict[str, ModelSpec]:
-    conv_cfg, mlp_cfg = convnet.tiny(), mlp.tiny()
+    conv_cfg, mlp_cfg, rec_cfg = convnet.tiny(), mlp.tiny(), recycler.tiny()
     specs = [
         _gpt_spec("gpt-tiny", gpt.tiny(), 8, "Llama-style decoder for tests"),
         _gpt_spec("gpt-small", gpt.small(), 16, "Llama-style decoder for benchmarks"),
@@ -91,6 +91,18 @@ def _build() -> dict[str, ModelSpec]:
             batch=lambda size, seed: mlp.synthetic_batch(mlp_cfg, size, seed),
             batch_size=16,
             description="plain-JAX tanh MLP 32-64-64-8 regressing a random teacher",
+        ),
+        ModelSpec(
+            name="recycler-tiny",
+            kind="nnx",
+            init=lambda seed: recycler.Recycler(rec_cfg, rngs=nnx.Rngs(seed)),
+            loss=recycler.loss,
+            batch=lambda size, seed: recycler.synthetic_batch(rec_cfg, size, seed),
+            batch_size=8,
+            description=(
+                f"residual MLP trunk run {rec_cfg.passes} times per step (AlphaFold2-style "
+                f"recycling, earlier passes under stop_gradient): for 3F1B"
+            ),
         ),
     ]
     return {spec.name: spec for spec in specs}

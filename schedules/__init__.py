@@ -5,6 +5,7 @@
 
 from schedules.classic import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble
 from schedules.interlaced import interlaced
+from schedules.tables import table4_1f1b, table7_3f1b
 from schedules.three_f_one_b import three_f_one_b
 
 SCHEDULES = {
@@ -14,6 +15,8 @@ SCHEDULES = {
     "zero_bubble": zero_bubble,
     "three_f_one_b": three_f_one_b,
     "interlaced": interlaced,
+    "table4_1f1b": table4_1f1b,
+    "table7_3f1b": table7_3f1b,
 }
 
 __all__ = [
@@ -22,6 +25,8 @@ __all__ = [
     "interlaced",
     "interleaved_1f1b",
     "one_f_one_b",
+    "table4_1f1b",
+    "table7_3f1b",
     "three_f_one_b",
     "zero_bubble",
 ]

@@ -125,6 +125,14 @@ def test_verify_a_pipeline_plan_with_a_schedule():
     assert "MATCH" in out
 
 
+def test_verify_three_f_one_b_on_the_recycling_model():
+    out = run(
+        "verify", "--model", "recycler-tiny", "--plan", "megatron(pp=2, dp=4)", "--schedule",
+        "three_f_one_b",
+    ).stdout  # fmt: skip
+    assert "schedule three_f_one_b, 4 micro-batches" in out and "MATCH" in out
+
+
 def test_an_unknown_schedule_is_a_clear_error():
     proc = run("verify", "--model", "mlp-tiny", "--plan", "megatron(pp=2)", "--schedule",
                "fast", check=False)  # fmt: skip

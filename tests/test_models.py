@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,15 +12,16 @@ import pytest
 from flax import nnx
 
 import models
-from models import gpt
+from models import gpt, recycler
 
-TINY = ["gpt-tiny", "convnet-tiny", "mlp-tiny"]
+TINY = ["gpt-tiny", "convnet-tiny", "mlp-tiny", "recycler-tiny"]
 
 # name -> {key: (shape without the batch dim, dtype)}
 BATCH_LAYOUT = {
     "gpt-tiny": {"tokens": ((32,), jnp.int32), "targets": ((32,), jnp.int32)},
     "convnet-tiny": {"images": ((16, 16, 3), jnp.float32), "labels": ((), jnp.int32)},
     "mlp-tiny": {"x": ((32,), jnp.float32), "y": ((8,), jnp.float32)},
+    "recycler-tiny": {"x": ((8, 16), jnp.float32), "y": ((8, 4), jnp.float32)},
 }
 
 
@@ -190,3 +193,25 @@ def test_training_lowers_the_loss(name, steps, lr):
     losses = _train(models.get(name), steps, lr)
     assert all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < 0.6 * losses[0], losses
+
+
+def test_recycler_trains_only_through_its_last_pass():
+    cfg = recycler.tiny()
+    model = recycler.Recycler(cfg, rngs=nnx.Rngs(0))
+    batch = recycler.synthetic_batch(cfg, 4)
+    prev = jnp.zeros((4, cfg.items, cfg.d_model))
+    for _ in range(cfg.passes - 1):
+        prev = model.trunk(batch["x"], prev)
+
+    def last_pass(m):  # the earlier passes' output taken as a constant
+        out = m.head(m.final_norm(m.trunk(batch["x"], prev)))
+        return jnp.mean((out - batch["y"]) ** 2)
+
+    full, g_full = nnx.value_and_grad(recycler.loss)(model, batch)
+    last, g_last = nnx.value_and_grad(last_pass)(model)
+    np.testing.assert_allclose(full, last, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_last)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # and recycling changes the result: one pass from zeros is another model
+    one = recycler.Recycler(dataclasses.replace(cfg, passes=1), rngs=nnx.Rngs(0))
+    assert abs(float(recycler.loss(one, batch)) - float(full)) > 1e-4

@@ -10,6 +10,11 @@ overlap (the interlaced schedule's all-device embedding stage).
 Cuts default to balanced repeated layers (``Graph.layers``), or balanced FLOPs for a
 model without them; a space may give them explicitly as the op ids that start stages
 1..S-1.
+
+A recycling model (AlphaFold2) runs its layers several times per step, every pass but the
+last under ``stop_gradient``. :func:`pass_of_ops` finds the passes in the traced graph;
+each pass is cut into the same stages (a layer's copies in every pass share its stage,
+and so its parameters), and the schedule's ``F(s, m, k)`` runs pass k's ops of stage s.
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jscaler.errors import PlanError
-from jscaler.ir.graph import Graph
+from jscaler.ir.graph import Graph, Literal
 from jscaler.plan.plan import Plan
 from jscaler.plan.validate import validate
 
-__all__ = ["PipelinePlan", "StageGroup", "stage_of_ops"]
+__all__ = ["PipelinePlan", "StageGroup", "pass_of_ops", "stage_of_ops"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,19 +111,82 @@ class PipelinePlan:
         return self
 
 
-def stage_of_ops(graph: Graph, n_stages: int, cuts: tuple[int, ...] | None = None) -> dict:
-    """Forward op id -> stage, with every tensor flowing from a stage to the same or a
-    later one.
+def pass_of_ops(graph: Graph, passes: int) -> dict[int, int]:
+    """Forward op id -> the forward pass (0..passes-1) it belongs to.
 
-    Repeated layers are dealt out in contiguous, balanced runs; ops outside layers join the
-    stage of their inputs (or, reading only parameters and batch, of their first
-    consumer). A graph without layers is cut at balanced cumulative FLOPs. ``cuts`` (op
-    ids starting stages 1..S-1) overrides both.
+    The last pass holds every op the loss is differentiated through. An op whose every
+    path to the loss crosses ``r`` ``stop_gradient`` ops belongs to pass ``passes-1-r``
+    (at least 0), unless it reads a value of a later pass (a ``stop_gradient`` inside
+    the last pass, such as a log-sum-exp's max, stays there). Ops of earlier passes thus
+    never need a gradient, and every value flows from a pass to the same or a later one.
+
+    Raises:
+      PlanError: some pass gets no ops (the model does not recycle ``passes`` times).
+    """
+    if passes < 1:
+        raise PlanError(f"a step needs at least one forward pass, got {passes}")
+    ops = graph.ops
+    if passes == 1:
+        return {o.id: 0 for o in ops}
+    depth: dict[int, int] = {}  # tensor -> fewest stop_gradients on a path to the loss
+    for t in graph.outputs:
+        if not isinstance(t, Literal):
+            depth[t] = 0
+    rdepth: dict[int, int | None] = {}
+    for o in reversed(ops):
+        ds = [depth[t] for t in o.outputs if t in depth]
+        r = min(ds) if ds else None
+        rdepth[o.id] = r
+        if r is not None:
+            r += o.primitive == "stop_gradient"
+            for x in o.tensor_inputs:
+                depth[x] = min(depth.get(x, r), r)
+    out: dict[int, int] = {}
+    made: dict[int, int] = {}
+    for o in ops:
+        r = rdepth[o.id]
+        k = passes - 1 if r is None else max(passes - 1 - r, 0)
+        k = max([k, *(made[x] for x in o.tensor_inputs if x in made)])
+        out[o.id] = k
+        made.update({t: k for t in o.outputs})
+    empty = [k for k in range(passes) if k not in out.values()]
+    if empty:
+        n_sg = sum(o.primitive == "stop_gradient" for o in ops)
+        raise PlanError(
+            f"the schedule runs {passes} forward passes per micro-batch, but forward pass "
+            f"{empty[0]} of this graph has no ops ({n_sg} stop_gradient op(s) found); a "
+            f"recycling model runs its layers {passes} times, every pass but the last "
+            f"under jax.lax.stop_gradient. Use a one-pass schedule for this model"
+        )
+    return out
+
+
+def stage_of_ops(
+    graph: Graph,
+    n_stages: int,
+    cuts: tuple[int, ...] | None = None,
+    pass_of: dict[int, int] | None = None,
+) -> dict:
+    """Forward op id -> stage, with every tensor flowing from a stage to the same or a
+    later one within a forward pass.
+
+    Repeated layers are dealt out in contiguous, balanced runs (a layer's copies in every
+    pass of ``pass_of`` get the same stage); ops outside layers join the stage of their
+    inputs from the same pass (or, reading none, of their first consumer in it). A graph
+    without layers is cut at balanced cumulative FLOPs per pass. ``cuts`` (op ids
+    starting stages 1..S-1) overrides both.
     """
     ops = graph.ops
     if n_stages < 1:
         raise PlanError(f"a pipeline needs at least one stage, got {n_stages}")
+    pass_of = pass_of or {o.id: 0 for o in ops}
+    n_passes = max(pass_of.values(), default=0) + 1
     if cuts is not None:
+        if n_passes > 1:
+            raise PlanError(
+                "explicit stage cuts name ops of one forward pass; a recycling model's "
+                f"{n_passes} passes are cut by its repeated layers (leave cuts=None)"
+            )
         seed = _explicit(graph, n_stages, cuts)
     else:
         layers = graph.layers()
@@ -128,11 +196,14 @@ def stage_of_ops(graph: Graph, n_stages: int, cuts: tuple[int, ...] | None = Non
                 s = i * n_stages // len(layers)
                 seed.update({o.id: s for o in layer.graph.ops})
         else:
-            seed = _by_flops(graph, n_stages)
-    producer_stage: dict[int, int] = {}
+            seed = {}
+            for k in range(n_passes):
+                seed.update(_by_flops([o for o in ops if pass_of[o.id] == k], n_stages))
+    producer: dict[int, tuple[int, int]] = {}  # tensor -> (pass, stage)
     stage: dict[int, int | None] = {}
     for o in ops:
-        before = [producer_stage[x] for x in o.tensor_inputs if x in producer_stage]
+        k = pass_of[o.id]
+        before = [producer[x][1] for x in o.tensor_inputs if producer.get(x, (-1,))[0] == k]
         s = seed.get(o.id)
         if s is None:
             s = max(before, default=None)
@@ -140,19 +211,27 @@ def stage_of_ops(graph: Graph, n_stages: int, cuts: tuple[int, ...] | None = Non
             s = max(s, *before)
         stage[o.id] = s
         if s is not None:
-            producer_stage.update({t: s for t in o.outputs})
-    for o in reversed(ops):  # ops on parameters/batch only: with their first consumer
+            producer.update({t: (k, s) for t in o.outputs})
+    for o in reversed(ops):  # ops reading nothing of their pass: with their first consumer
         if stage[o.id] is None:
-            users = [stage[u.id] for t in o.outputs for u in graph.consumers(t)]
-            users = [u for u in users if u is not None]
+            k = pass_of[o.id]
+            users = [
+                stage[u.id]
+                for t in o.outputs
+                for u in graph.consumers(t)
+                if pass_of[u.id] == k and stage[u.id] is not None
+            ]
             stage[o.id] = min(users, default=n_stages - 1)
-    used = set(stage.values())
-    empty = [s for s in range(n_stages) if s not in used]
-    if empty:
-        raise PlanError(
-            f"cannot cut the graph into {n_stages} stages: stage {empty[0]} gets no ops "
-            f"({len(graph.layers())} repeated layers, {len(ops)} ops); use fewer stages"
-        )
+    for k in range(n_passes):
+        used = {stage[o.id] for o in ops if pass_of[o.id] == k}
+        empty = [s for s in range(n_stages) if s not in used]
+        if empty:
+            what = f" in forward pass {k}" if n_passes > 1 else ""
+            raise PlanError(
+                f"cannot cut the graph into {n_stages} stages: stage {empty[0]} gets no "
+                f"ops{what} ({len(graph.layers())} repeated layers, {len(ops)} ops); use "
+                f"fewer stages"
+            )
     return stage
 
 
@@ -179,10 +258,10 @@ def _explicit(graph: Graph, n_stages: int, cuts) -> dict[int, int]:
     return out
 
 
-def _by_flops(graph: Graph, n_stages: int) -> dict[int, int]:
-    total = sum(o.flops for o in graph.ops) or 1.0
+def _by_flops(ops, n_stages: int) -> dict[int, int]:
+    total = sum(o.flops for o in ops) or 1.0
     out, acc = {}, 0.0
-    for o in graph.ops:
+    for o in ops:
         if o.flops:
             out[o.id] = min(int((acc + o.flops / 2) * n_stages / total), n_stages - 1)
         acc += o.flops

@@ -4,8 +4,10 @@
 block from its start to its end time on its group's row. The fill colour names the
 micro-batch (a qualitative colormap, so neighbouring micro-batches differ); the kind sets
 the style: ``F`` solid, ``B`` darker and hatched ``//``, ``W`` lighter and dotted ``..``,
-``R`` lighter with a dotted edge. A box that is wide enough carries the block's name
-(``F1.3``: forward of stage 1 on micro-batch 3). The title gives the schedule's name and
+``R`` lighter with a dotted edge; the forward passes of a recycling schedule (3F1B) that
+keep no gradient are paler, the first palest. A box that is wide enough carries the
+block's name (``F1.3``: forward of stage 1 on micro-batch 3; ``F1.3/1``: its pass 1), or
+without the stage (``F3/1``) when only that fits. The title gives the schedule's name and
 its bubble (the fraction of group-time spent idle).
 
 Drawn on a bare :class:`matplotlib.figure.Figure` with the Agg canvas: no pyplot, no
@@ -116,10 +118,21 @@ def _axes(ax, timeline: Timeline, unit_costs: bool) -> None:
 def _draw_block(ax, block: Block, start, end, schedule: Schedule, points_per_unit) -> None:
     group = schedule.placement[block.stage]
     color = _microbatch_color(block.microbatch, schedule.microbatches)
+    if block.kind == "F" and block.pass_ < schedule.passes - 1:  # no gradient kept: paler
+        color = _mix(color, 1.0, 0.3 + 0.3 * (schedule.passes - 2 - block.pass_) / schedule.passes)
     style = _style(block.kind, color)
     ax.add_patch(Rectangle((start, group - BOX / 2), end - start, BOX, **style))
-    label = str(block)
-    if _text_width(label) + 3 <= (end - start) * points_per_unit:
+    p = f"/{block.pass_}" if block.pass_ else ""
+    room = (end - start) * points_per_unit
+    label = next(
+        (
+            t
+            for t in (str(block), f"{block.kind}{block.microbatch}{p}")
+            if _text_width(t) + 3 <= room
+        ),
+        None,
+    )
+    if label is not None:
         ax.text(
             (start + end) / 2,
             group,
@@ -176,4 +189,6 @@ def _legend_handles(schedule: Schedule) -> list[Patch]:
             if kind == "B" and schedule.split_backward:
                 label = "B input grad"
             handles.append(Patch(label=label, **_style(kind, grey)))
+    if schedule.passes > 1:
+        handles.insert(1, Patch(label="F/k no-grad pass", **_style("F", _mix(grey, 1.0, 0.45))))
     return handles

@@ -58,6 +58,19 @@ class Block:
     def to_json(self):
         return [self.stage, self.microbatch, self.kind, self.pass_]
 
+    # shorthands for writing order constraints: Block.F(s, m), Block.B(s, m), ...
+    @classmethod
+    def F(cls, stage: int, microbatch: int, pass_: int = 0) -> Block:  # noqa: N802
+        return cls(stage, microbatch, "F", pass_)
+
+    @classmethod
+    def B(cls, stage: int, microbatch: int) -> Block:  # noqa: N802
+        return cls(stage, microbatch, "B")
+
+    @classmethod
+    def W(cls, stage: int, microbatch: int) -> Block:  # noqa: N802
+        return cls(stage, microbatch, "W")
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -106,33 +119,11 @@ class Schedule:
 
     def required(self) -> set[Block]:
         """Every block a step needs (recompute blocks are optional, at most once)."""
-        out = set()
-        for s in range(self.stages):
-            for m in range(self.microbatches):
-                out |= {Block(s, m, "F", k) for k in range(self.passes)}
-                out.add(Block(s, m, "B"))
-                if self.split_backward:
-                    out.add(Block(s, m, "W"))
-        return out
+        return required_blocks(self.stages, self.microbatches, self.passes, self.split_backward)
 
     def deps(self, b: Block) -> list[Block]:
         """The blocks ``b`` reads the results of (see the module doc)."""
-        last = self.passes - 1
-        s, m = b.stage, b.microbatch
-        if b.kind == "F":
-            if s > 0:
-                return [Block(s - 1, m, "F", b.pass_)]
-            return [Block(self.stages - 1, m, "F", b.pass_ - 1)] if b.pass_ else []
-        if b.kind == "R":
-            return [Block(s, m, "F", last)]
-        if b.kind == "W":
-            return [Block(s, m, "B")]
-        out = [Block(s, m, "F", last)]
-        if self.recomputed(s, m):
-            out.append(Block(s, m, "R"))
-        if s + 1 < self.stages:
-            out.append(Block(s + 1, m, "B"))
-        return out
+        return block_deps(b, self.stages, self.passes, self.recomputed(b.stage, b.microbatch))
 
     def in_flight(self, release: str = "B") -> list[int]:
         """Per stage, the most micro-batches whose activations are held at once: from the
@@ -286,6 +277,39 @@ class Schedule:
         from jscaler.plan.plot import plot
 
         return plot(self, path, cost)
+
+
+def required_blocks(stages: int, microbatches: int, passes: int, split: bool) -> set[Block]:
+    """Every F (each pass), B and (``split``) W block of a step."""
+    out = set()
+    for s in range(stages):
+        for m in range(microbatches):
+            out |= {Block(s, m, "F", k) for k in range(passes)}
+            out.add(Block(s, m, "B"))
+            if split:
+                out.add(Block(s, m, "W"))
+    return out
+
+
+def block_deps(b: Block, stages: int, passes: int, recomputed: bool = False) -> list[Block]:
+    """The blocks ``b`` reads the results of (see the module doc); ``recomputed``: its
+    micro-batch's activations on its stage come from an R block."""
+    last = passes - 1
+    s, m = b.stage, b.microbatch
+    if b.kind == "F":
+        if s > 0:
+            return [Block(s - 1, m, "F", b.pass_)]
+        return [Block(stages - 1, m, "F", b.pass_ - 1)] if b.pass_ else []
+    if b.kind == "R":
+        return [Block(s, m, "F", last)]
+    if b.kind == "W":
+        return [Block(s, m, "B")]
+    out = [Block(s, m, "F", last)]
+    if recomputed:
+        out.append(Block(s, m, "R"))
+    if s + 1 < stages:
+        out.append(Block(s + 1, m, "B"))
+    return out
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jscaler.compile.lower import lower
 from jscaler.errors import PlanError, ScheduleError
 from jscaler.ir.graph import Graph
-from jscaler.plan.pipeline import PipelinePlan, stage_of_ops
+from jscaler.plan.pipeline import PipelinePlan, pass_of_ops, stage_of_ops
 from jscaler.plan.schedule import Block, Schedule
 from jscaler.runtime.handoff import handoff_for
 from jscaler.runtime.stages import Stage, build_stages
@@ -68,11 +68,6 @@ class PipelineTrainer:
                 f"schedule {schedule.name!r} runs on {len(schedule.groups)} device groups; "
                 f"the plan {pplan.name!r} has {len(pplan.groups)}"
             )
-        if schedule.passes != 1:
-            raise ScheduleError(
-                f"schedule {schedule.name!r} runs {schedule.passes} forward passes per "
-                f"micro-batch; this model's graph is one pass (trace a recycling model)"
-            )
         if len(graph.outputs) != 1:
             raise PlanError(
                 "pipelines train models without mutable state (the loss function updates "
@@ -90,11 +85,14 @@ class PipelineTrainer:
         self._batch_shapes = batch_shapes
         self._graphdef = self._sig.graphdef if self._sig.kind == "nnx" else None
         lowered = [lower(g.plan, [devices[d] for d in g.devices]) for g in pplan.groups]
-        stage_of = stage_of_ops(graph, schedule.stages, pplan.cuts)
+        pass_of = pass_of_ops(graph, schedule.passes)
+        stage_of = stage_of_ops(graph, schedule.stages, pplan.cuts, pass_of)
         dtypes = {t: graph.tensors[t].dtype for t in graph.inputs}
-        self.stages: list[Stage] = build_stages(lowered, schedule.placement, stage_of, dtypes)
+        # one program set per (pass, stage); the last pass's are the stages proper
+        self._programs = build_stages(lowered, schedule.placement, stage_of, dtypes, pass_of)
+        self.stages: list[Stage] = self._programs[-schedule.stages :]
         self._order = [b for rnd in schedule.order() for b in rnd]
-        self._producer = {t: st.index for st in self.stages for t in st.acts_out}
+        self._producer = {t: st.index for st in self._programs for t in st.acts_out}
         self.log = DriverLog()
         self.step_count = 0
 
@@ -162,49 +160,52 @@ class PipelineTrainer:
     # ---- the driver ---------------------------------------------------------------------
 
     def _split_batch(self, batch) -> list[list]:
-        """Per stage, per micro-batch: the batch leaves the stage reads, on its mesh.
+        """Per stage program, per micro-batch: the batch leaves it reads, on its mesh.
         Micro-batch j holds rows j, j+m, j+2m, ... (as the single-program trainer)."""
         leaves = batch_leaves(batch, self._sig, self._batch_shapes)
         m = self._m
         host = {t: microbatches(np.asarray(x), m) for t, x in zip(self._batch_ids, leaves)}
         return [
             [[jax.device_put(host[t][:, j], st.sharding(t)) for t in st.batch] for j in range(m)]
-            for st in self.stages
+            for st in self._programs
         ]
 
     def _run(self, batch):
         """Runs every block of the schedule; returns (mean loss, per-param gradient
         contributions, one per stage reading the param)."""
-        m, stages = self._m, self.stages
+        m, programs, n = self._m, self._programs, self.schedule.stages
+        last = len(programs) - n  # index of the last pass's stage 0
         mb = self._split_batch(batch)
         acts: dict = {}  # (tensor, microbatch, consumer stage) -> value on its mesh
         cots: dict = {}  # (tensor, microbatch, consumer stage) -> cotangent on producer mesh
         res: dict = {}  # (stage, microbatch) -> residuals
         saved: dict = {}  # (stage, microbatch) -> forward inputs of a recomputed block
         wcot: dict = {}  # (stage, microbatch) -> output cotangents kept for W
-        grads = [None] * len(stages)
+        grads: dict = {}  # stage index -> accumulated parameter gradients
         losses = []
-        log = DriverLog([[] for _ in self.schedule.groups], [0] * len(stages))
-        alive = [0] * len(stages)
+        log = DriverLog([[] for _ in self.schedule.groups], [0] * n)
+        alive = [0] * n
         seed = np.float32(1.0 / m)  # a host value: every process places its own copy
 
         def inputs(st, j):
             a = [acts.pop((t, j, st.index)) for t in st.acts_in]
-            return self._stage_params[st.index], a, self._stage_state[st.index], mb[st.index][j]
+            f = [acts.pop((t, j, st.index)) for t in st.frozen]
+            s = st.stage
+            return self._stage_params[s], a, f, self._stage_state[s], mb[st.index][j]
 
         def keep(st, j, r):
-            res[(st.index, j)] = r
-            alive[st.index] += 1
-            log.in_flight[st.index] = max(log.in_flight[st.index], alive[st.index])
+            res[(st.stage, j)] = r
+            alive[st.stage] += 1
+            log.in_flight[st.stage] = max(log.in_flight[st.stage], alive[st.stage])
 
         def send(st, j, out_acts, outs):
             for t, v in zip(st.acts_out, out_acts):
                 for c in st.consumers[t]:
-                    acts[(t, j, c)] = jax.device_put(v, stages[c].sharding(t))
+                    acts[(t, j, c)] = jax.device_put(v, programs[c].sharding(t))
             losses.extend(outs[:1])
 
         def add_grads(st, g):
-            grads[st.index] = g if grads[st.index] is None else _add_lists(grads[st.index], g)
+            grads[st.index] = _add_lists(grads[st.index], g) if st.index in grads else g
 
         def out_cot(st, j):
             ca = [_sum([cots.pop((t, j, c)) for c in st.consumers[t]]) for t in st.acts_out]
@@ -215,18 +216,21 @@ class PipelineTrainer:
 
         def send_back(st, j, d_acts):
             for t, v in zip(st.acts_in, d_acts):
-                src = stages[self._producer[t]]
+                src = programs[self._producer[t]]
                 # same layout on this mesh first: across processes, device_put moves an
                 # array between device sets only shard for shard
                 v = jax.device_put(v, st.sharding(t))
                 cots[(t, j, st.index)] = jax.device_put(v, src.sharding(t))
 
         for b in self._order:
-            st, j = stages[b.stage], b.microbatch
+            j = b.microbatch
+            st = programs[b.pass_ * n + b.stage] if b.kind == "F" else programs[last + b.stage]
             log.blocks[st.group].append(b)
             if b.kind == "F":
                 args = inputs(st, j)
-                if self.schedule.recomputed(b.stage, j):
+                if st.index < last:  # an earlier forward pass: no gradient, nothing kept
+                    send(st, j, *st.forward(*args))
+                elif self.schedule.recomputed(b.stage, j):
                     saved[(b.stage, j)] = args
                     send(st, j, *st.forward(*args))
                 else:

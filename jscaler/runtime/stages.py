@@ -14,6 +14,12 @@ Programs (``jax.fwd_and_bwd`` keeps the forward's residuals for the backward):
 * ``backward``: parameter and input cotangents from residuals and output cotangents (B);
 * ``backward_input`` / ``backward_weight``: one half each (zero-bubble's B and W; XLA
   drops the other half's work).
+
+A recycling model's step runs several forward passes; each (pass, stage) pair is a
+:class:`Stage` of its own (``index`` = pass x stages + stage). The passes of one stage
+share its parameters (``params`` lists every parameter any of them reads). Values from
+an earlier pass come in as ``frozen`` inputs: they were computed under ``stop_gradient``,
+so no cotangent goes back for them, and earlier passes run ``forward`` only.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ __all__ = ["Stage", "build_stages"]
 
 @dataclass(eq=False)
 class Stage:
-    """One pipeline stage on one device group."""
+    """One pipeline stage (of one forward pass) on one device group."""
 
     index: int
     group: int
@@ -49,6 +55,9 @@ class Stage:
     outputs: list[int]
     dtypes: dict[int, str] = field(default_factory=dict)
     consumers: dict[int, list[int]] = field(default_factory=dict)  # act -> stages reading it
+    frozen: list[int] = field(default_factory=list)  # acts of earlier passes (no gradient)
+    stage: int = 0
+    pass_: int = 0
 
     # ---- layouts ------------------------------------------------------------------------
 
@@ -65,7 +74,7 @@ class Stage:
 
     # ---- the forward --------------------------------------------------------------------
 
-    def _fn(self, params, acts, state, batch):
+    def _fn(self, params, acts, frozen, state, batch):
         low = self.low
         g = low.plan.pgraph.graph
         env = dict(g.consts)
@@ -73,7 +82,7 @@ class Stage:
         for ids, vals in ((self.params, params), (self.state, state), (self.batch, batch)):
             for t, v in zip(ids, vals):
                 env[t], have[t] = v.astype(self.dtypes[t]), low.storage[t]
-        for t, v in zip(self.acts_in, acts):
+        for t, v in (*zip(self.acts_in, acts), *zip(self.frozen, frozen)):
             env[t], have[t] = v, self.layout(t)
         run_ops(low, self.ops, env, have)
         out_acts = [
@@ -84,12 +93,12 @@ class Stage:
 
     @cached_property
     def forward(self):
-        return jax.jit(lambda p, a, s, b: self._fn(p, a, s, b))
+        return jax.jit(lambda p, a, f, s, b: self._fn(p, a, f, s, b))
 
     @cached_property
     def _fwd_bwd(self):
         return jax.fwd_and_bwd(
-            lambda p, a, s, b: self._fn(p, a, s, b), argnums=(0, 1), jitted=False
+            lambda p, a, f, s, b: self._fn(p, a, f, s, b), argnums=(0, 1), jitted=False
         )
 
     @cached_property
@@ -112,56 +121,73 @@ class Stage:
 
 
 def build_stages(
-    lowered: list[Lowered], placement, stage_of: dict[int, int], dtypes: dict[int, str]
+    lowered: list[Lowered],
+    placement,
+    stage_of: dict[int, int],
+    dtypes: dict[int, str],
+    pass_of: dict[int, int] | None = None,
 ) -> list[Stage]:
-    """Stages 0..S-1; stage s runs with ``lowered[placement[s]]``.
+    """Stages 0..S-1 of every forward pass, pass-major (``pass_of``: forward op id ->
+    pass; None: one pass); stage s runs with ``lowered[placement[s]]``.
 
     ``stage_of`` maps the base graph's forward ops to stages; a plan's inserted identity
     ops (ZeRO-3 gathers) join the first stage reading their output.
     """
     n = len(placement)
+    pass_of = pass_of or {}
+    n_passes = max(pass_of.values(), default=0) + 1
     stages = []
-    for s in range(n):
-        low = lowered[placement[s]]
-        g = low.plan.pgraph.graph
-        ops = [o for o in g.ops if _stage(o, g, stage_of) == s]
-        stages.append((s, placement[s], low, ops))
+    for k in range(n_passes):
+        for s in range(n):
+            low = lowered[placement[s]]
+            g = low.plan.pgraph.graph
+            ops = [o for o in g.ops if _place(o, g, stage_of, pass_of) == (s, k)]
+            stages.append((k * n + s, placement[s], low, ops))
     produced_in: dict[int, int] = {}
-    for s, _, _, ops in stages:
+    for i, _, _, ops in stages:
         for o in ops:
-            produced_in.update({t: s for t in o.outputs})
+            produced_in.update({t: i for t in o.outputs})
+    reads = {
+        i: list(dict.fromkeys(x for o in ops for x in o.tensor_inputs)) for i, *_, ops in stages
+    }
     out = []
-    for s, gi, low, ops in stages:
+    for i, gi, low, ops in stages:
+        s, k = i % n, i // n
         g = low.plan.pgraph.graph
         _check_regions(low, ops, s)
         roles = {t: g.tensors[t].role for t in g.inputs}
-        read = list(dict.fromkeys(x for o in ops for x in o.tensor_inputs))
+        read = reads[i]
+        # every pass of a stage takes the same parameters, the union of what they read
+        read_by_stage = [x for j in range(s, len(stages), n) for x in reads[j]]
         mine = {t for o in ops for t in o.outputs}
-        acts_in = [x for x in read if x in produced_in and x not in mine]
-        for x in acts_in:
-            if produced_in[x] > s:
+        outer = [x for x in read if x in produced_in and x not in mine]
+        for x in outer:
+            if produced_in[x] % n > s and produced_in[x] // n == k:
                 raise PlanError(
                     f"stage {s} reads {_name(g, x)}, computed by the later stage "
-                    f"{produced_in[x]}; stage cuts must follow the data flow"
+                    f"{produced_in[x] % n}; stage cuts must follow the data flow"
                 )
         outputs = [x for x in g.outputs if not isinstance(x, Literal) and x in mine]
         out.append(
             Stage(
-                index=s,
+                index=i,
                 group=gi,
                 low=low,
                 ops=ops,
-                params=[x for x in read if roles.get(x) == "param"],
-                state=[x for x in read if roles.get(x) == "state"],
+                params=[x for x in dict.fromkeys(read_by_stage) if roles.get(x) == "param"],
+                state=[x for x in dict.fromkeys(read_by_stage) if roles.get(x) == "state"],
                 batch=[x for x in read if roles.get(x) == "batch"],
-                acts_in=acts_in,
+                acts_in=[x for x in outer if produced_in[x] // n == k],
                 acts_out=[],
                 outputs=outputs,
                 dtypes=dtypes,
+                frozen=[x for x in outer if produced_in[x] // n < k],
+                stage=s,
+                pass_=k,
             )
         )
     for st in out:
-        for x in st.acts_in:
+        for x in (*st.acts_in, *st.frozen):
             src = out[produced_in[x]]
             if x not in src.acts_out:
                 src.acts_out.append(x)
@@ -169,16 +195,19 @@ def build_stages(
     return out
 
 
-def _stage(o: Op, g, stage_of: dict[int, int]) -> int:
+def _place(o: Op, g, stage_of: dict[int, int], pass_of: dict[int, int]) -> tuple[int, int]:
+    """(stage, pass) of an op of the plan's graph."""
     if o.id in stage_of:
-        return stage_of[o.id]
-    users = [_stage(u, g, stage_of) for t in o.outputs for u in g.consumers(t)]
+        return stage_of[o.id], pass_of.get(o.id, 0)
+    users = {_place(u, g, stage_of, pass_of) for t in o.outputs for u in g.consumers(t)}
     if not users:
         raise PlanError(f"{o.where} has no consumer and no stage")
-    if len(set(users)) > 1 and o.kind == "identity":
+    if len(users) > 1 and o.kind == "identity":
+        where = sorted(s for s, _ in users)
         raise PlanError(
-            f"the gathered parameter of {o.where} is read by stages {sorted(set(users))}; a "
-            f"ZeRO-3 gather must serve one stage. Use zero<=2 inside pipeline stages"
+            f"the gathered parameter of {o.where} is read by stages {where} (or several "
+            f"forward passes); a ZeRO-3 gather must serve one stage. Use zero<=2 inside "
+            f"pipeline stages"
         )
     return min(users)
 
