@@ -9,6 +9,7 @@ to size one without allocating).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,24 @@ def _gpt_spec(name: str, cfg: gpt.GPTConfig, batch_size: int, what: str) -> Mode
     )
 
 
+def _lazy(module: str, name: str, make: str, batch_size: int, description: str) -> ModelSpec:
+    """An nnx model whose module is imported on first use: ``models.<module>`` provides
+    ``tiny()``, the class ``make``, ``loss`` and ``synthetic_batch(cfg, size, seed)``."""
+
+    def mod():
+        return importlib.import_module(f"models.{module}")
+
+    return ModelSpec(
+        name=name,
+        kind="nnx",
+        init=lambda seed: getattr(mod(), make)(mod().tiny(), rngs=nnx.Rngs(seed)),
+        loss=lambda model, batch: mod().loss(model, batch),
+        batch=lambda size, seed: mod().synthetic_batch(mod().tiny(), size, seed),
+        batch_size=batch_size,
+        description=description,
+    )
+
+
 def _build() -> dict[str, ModelSpec]:
     conv_cfg, mlp_cfg, rec_cfg = convnet.tiny(), mlp.tiny(), recycler.tiny()
     specs = [
@@ -103,6 +122,15 @@ def _build() -> dict[str, ModelSpec]:
                 f"residual MLP trunk run {rec_cfg.passes} times per step (AlphaFold2-style "
                 f"recycling, earlier passes under stop_gradient): for 3F1B"
             ),
+        ),
+        _lazy("swin", "swin-tiny", "Swin", 8, "Swin Transformer, shifted windows, 4 stages"),
+        _lazy("t5", "t5-tiny", "T5", 8, "T5 encoder-decoder, relative buckets, tied embedding"),
+        _lazy(
+            "alphafold2",
+            "alphafold2-tiny",
+            "AlphaFold2",
+            8,
+            "AlphaFold2: Evoformer + structure head, 3 recycling passes",
         ),
     ]
     return {spec.name: spec for spec in specs}

@@ -4,6 +4,8 @@ A space is a callable ``space(graph, n_devices) -> Plan``. ``SPACES`` maps the n
 command line accepts (``--plan "megatron(tp=2, dp=4)"``) to the functions making them.
 """
 
+from spaces.alphafold import alphafold_3f1b
+from spaces.baselines import deepspeed, megatron_3d
 from spaces.coshard import coshard
 from spaces.dp import dp
 from spaces.interlaced import interlaced
@@ -12,14 +14,30 @@ from spaces.sequence import ring, ulysses, usp
 from spaces.zero import zero
 
 SPACES = {
+    "alphafold_3f1b": alphafold_3f1b,
     "coshard": coshard,
+    "deepspeed": deepspeed,
     "dp": dp,
     "interlaced": interlaced,
     "megatron": megatron,
+    "megatron_3d": megatron_3d,
     "ring": ring,
     "ulysses": ulysses,
     "usp": usp,
     "zero": zero,
 }
 
-__all__ = ["SPACES", "coshard", "dp", "interlaced", "megatron", "ring", "ulysses", "usp", "zero"]
+__all__ = [
+    "SPACES",
+    "alphafold_3f1b",
+    "coshard",
+    "deepspeed",
+    "dp",
+    "interlaced",
+    "megatron",
+    "megatron_3d",
+    "ring",
+    "ulysses",
+    "usp",
+    "zero",
+]

@@ -5,7 +5,8 @@ over a stage's few devices leaves the other stages idle while it runs. Here stag
 only the ops before the first repeated layer (the embedding lookup), on a group spanning
 all devices with the table split by vocabulary over all of them; the layers are cut into
 ``pp`` balanced stages on disjoint groups, each under ``megatron(tp, dp)``. Run it with the
-``interlaced`` schedule, which time-shares the devices between the two.
+``interlaced`` schedule (the plan's own: used when none is given), which time-shares
+the devices between the two.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import jscaler
 from jscaler.plan import DimClasses, MeshSpec, Plan, assign_mesh, split_classes
+from schedules.interlaced import interlaced as interlaced_schedule
 from spaces.megatron import megatron, tp_seeds
 
 
@@ -46,7 +48,9 @@ class Interlaced:
         ]
         groups.append(jscaler.StageGroup(range(n_devices), embedding_over_all(graph, n_devices)))
         name = f"interlaced(pp={self.pp}, tp={self.tp}, embedding over {n_devices})"
-        return jscaler.PipelinePlan(tuple(groups), name, cuts=tuple(starts), whole=(self.pp,))
+        return jscaler.PipelinePlan(
+            tuple(groups), name, cuts=tuple(starts), whole=(self.pp,), schedule=interlaced_schedule
+        )
 
 
 def embedding_over_all(graph: jscaler.Graph, n: int) -> Plan:

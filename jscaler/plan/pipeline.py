@@ -19,6 +19,7 @@ and so its parameters), and the schedule's ``F(s, m, k)`` runs pass k's ops of s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jscaler.errors import PlanError
@@ -62,12 +63,16 @@ class PipelinePlan:
       cuts: op ids of the ops that start stages 1..S-1 (None: balanced).
       whole: groups spanning every device, time-shared with the others (the interlaced
         pipeline's embedding group); a schedule for this plan marks the same groups.
+      schedule: the schedule function ``(groups, microbatches) -> Schedule`` the space
+        made the plan for, used when :func:`jscaler.parallelize` is given none (None:
+        ``one_f_one_b``).
     """
 
     groups: tuple[StageGroup, ...]
     name: str = ""
     cuts: tuple[int, ...] | None = None
     whole: tuple[int, ...] = ()
+    schedule: Callable | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "groups", tuple(self.groups))

@@ -135,9 +135,10 @@ def parallelize(
 
 def resolve_schedule(schedule, plan: PipelinePlan, microbatches: int) -> Schedule:
     """The Schedule for the plan's device groups and ``microbatches``; a function
-    is called with the number of groups that partition the devices."""
+    is called with the number of groups that partition the devices. None: the plan's
+    own (``PipelinePlan.schedule``), else ``one_f_one_b``."""
     if schedule is None:
-        schedule = one_f_one_b
+        schedule = plan.schedule or one_f_one_b
     if callable(schedule) and not isinstance(schedule, Schedule):
         schedule = schedule(plan.pipeline_groups, microbatches)
     if not isinstance(schedule, Schedule):

@@ -1,0 +1,55 @@
+"""nnScaler's AlphaFold2 plan: pipeline stages over the Evoformer blocks, run with 3F1B.
+
+AlphaFold2 recycles: every step runs the model three times, the first two passes without
+gradients. A plain 1F1B pipeline would run each micro-batch's three passes back to back
+through all stages (the first stage waiting for the last between passes); the 3F1B
+schedule interleaves the passes of consecutive micro-batches so every stage stays busy,
+at 1F1B's activation memory (only the last pass keeps activations).
+
+``alphafold_3f1b(pp, tp, dp)`` cuts the Evoformer blocks evenly into ``pp`` stages on
+disjoint device groups, each group running ``megatron(tp, dp)`` (tensor parallelism over
+attention heads and transition features inside a stage), and names ``three_f_one_b`` as
+the plan's schedule. The passes are found in the traced graph by the ``stop_gradient``s
+between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jscaler
+from schedules.three_f_one_b import three_f_one_b
+from spaces.megatron import megatron, pipeline
+
+
+@dataclass(frozen=True)
+class AlphaFold3F1B:
+    pp: int = 2
+    tp: int = 1
+    dp: int | None = None
+
+    def __call__(self, graph: jscaler.Graph, n_devices: int) -> jscaler.PipelinePlan:
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 2:
+            raise jscaler.PlanError(
+                f"alphafold_3f1b: pp must be an int >= 2 (a pipeline), got {self.pp!r}"
+            )
+        if n_devices % self.pp:
+            raise jscaler.PlanError(
+                f"alphafold_3f1b(pp={self.pp}) needs a device count divisible by pp; "
+                f"got {n_devices}"
+            )
+        size = n_devices // self.pp
+        inner = megatron(tp=self.tp, dp=self.dp)
+        plan = pipeline(graph, inner, self.pp, n_devices)
+        dp = size // self.tp
+        return jscaler.PipelinePlan(
+            plan.groups,
+            name=f"alphafold_3f1b(pp={self.pp}, tp={self.tp}, dp={dp})",
+            schedule=three_f_one_b,
+        )
+
+
+def alphafold_3f1b(pp: int = 2, tp: int = 1, dp: int | None = None) -> AlphaFold3F1B:
+    """``pp`` pipeline stages of Evoformer blocks, each ``megatron(tp, dp)`` on its own
+    devices, scheduled with 3F1B."""
+    return AlphaFold3F1B(pp, tp, dp)

@@ -1,0 +1,72 @@
+"""The paper's plans and its baselines as spaces: coshard, interlaced, alphafold_3f1b,
+megatron_3d, deepspeed. Each trains 3 SGD steps equal to one device."""
+
+import pytest
+
+import jscaler
+import models
+from jscaler.runtime.reference import compare, trainer_steps
+from spaces import SPACES, alphafold_3f1b, coshard, deepspeed, interlaced, megatron_3d
+
+from parity import LR, assert_parity, batches, reference
+
+
+def pipeline_parity(model_name, plan, m, schedule=None):
+    import optax
+
+    spec = models.get(model_name)
+    trainer = jscaler.parallelize(
+        spec.init(0),
+        spec.loss,
+        optax.sgd(LR),
+        spec.batch(spec.batch_size, 0),
+        devices=8,
+        plan=plan,
+        microbatches=m,
+        schedule=schedule,
+    )
+    got = trainer_steps(trainer, batches(spec))
+    mm = compare(got, reference(model_name)[: len(got)])
+    assert mm.ok, "\n".join(mm.lines[:10])
+    return trainer
+
+
+def test_deepspeed_is_zero3_over_dp_on_megatron_tp():
+    trainer = assert_parity("gpt-tiny", deepspeed(tp=2))
+    assert trainer.plan.mesh.shape == {"dp": 4, "tp": 2}
+    assert trainer.plan.name == "megatron(tp=2, dp=4, zero=3)"
+
+
+def test_megatron_3d_pipelines_even_layers():
+    trainer = pipeline_parity("gpt-tiny", megatron_3d(tp=2, pp=2), 2)
+    assert trainer.schedule.name == "one_f_one_b" and len(trainer.stages) == 2
+
+
+def test_alphafold_3f1b_brings_its_schedule():
+    trainer = pipeline_parity("recycler-tiny", alphafold_3f1b(pp=2), 2)
+    assert trainer.schedule.name == "three_f_one_b" and trainer.schedule.passes == 3
+
+
+def test_interlaced_brings_its_schedule():
+    trainer = pipeline_parity("gpt-tiny", interlaced(pp=2, tp=2), 2)
+    assert trainer.schedule.name == "interlaced" and trainer.schedule.whole == (2,)
+
+
+def test_coshard_picks_the_activation_heavy_layers():
+    spec = models.get("gpt-tiny")
+    graph = jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+    every = coshard(tp=2, colocate=2)(graph, 8)  # a uniform stack: every layer
+    first = coshard(tp=2, colocate=2, layers=1)(graph, 8)
+    assert len(first.regions) * len(graph.layers()) == len(every.regions)
+    piped = coshard(tp=2, colocate=2, pp=2)(graph, 8)
+    assert isinstance(piped, jscaler.PipelinePlan) and len(piped.groups) == 2
+    assert piped.groups[0].plan.mesh.shape == {"dp": 2, "tp": 2}
+
+
+def test_bare_names_and_bad_degrees():
+    for name in ("alphafold_3f1b", "coshard", "deepspeed", "megatron_3d"):
+        assert callable(SPACES[name]())
+    with pytest.raises(jscaler.PlanError, match="pp must be an int >= 2"):
+        alphafold_3f1b(pp=1)(None, 8)
+    with pytest.raises(jscaler.PlanError, match="divisible by pp"):
+        coshard(pp=3)(None, 8)
