@@ -144,18 +144,24 @@ def _parser() -> argparse.ArgumentParser:
     be = sub.add_parser(
         "bench",
         help="benchmarks: 'spmd' compares plans with plain JAX (memory, collectives, time); "
-        "'pipeline' compares pipeline schedules (simulated bubbles, MPMD vs SPMD step times)",
+        "'pipeline' compares pipeline schedules (simulated bubbles, MPMD vs SPMD step times); "
+        "'coshard' compares coshard's activation memory with plain tensor parallelism",
         description="Run a benchmark and print its table. 'spmd': for one model on N "
         "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
         "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
         "Megatron name rules and plain jax.jit data parallelism, with ratios. 'pipeline': "
         "each schedule's simulated bubble beside (p-1)/(m+p-1), then SGD step times of the "
         "MPMD pipeline runtime per schedule against the SPMD fast path (spmd_pipeline), "
-        "with the first-step loss of each.",
+        "with the first-step loss of each. 'coshard': per plan (megatron and coshard at tp "
+        "2 and 4), XLA's temporaries and per-device memory, collective bytes and step "
+        "time, against plain Megatron at the same tp, and which coshard plans fit in the "
+        "memory of megatron at a higher tp.",
     )
-    be.add_argument("which", choices=["spmd", "pipeline"], help="the benchmark")
+    be.add_argument("which", choices=["spmd", "pipeline", "coshard"], help="the benchmark")
     be.add_argument(
-        "--model", default=None, help="model (default gpt-small, 21M; pipeline: gpt-tiny)"
+        "--model",
+        default=None,
+        help="model (default gpt-small, 21M; pipeline: gpt-tiny; coshard: swin-bench)",
     )
     be.add_argument("--steps", type=int, default=3, help="timed steps per plan (default 3)")
     be.add_argument("--pp", type=int, default=4, help="pipeline: stages (default 4)")
@@ -415,6 +421,8 @@ def _verify(args) -> int:
 def _bench(args) -> int:
     if args.which == "pipeline":
         return _bench_pipeline(args)
+    if args.which == "coshard":
+        return _bench_coshard(args)
     from bench import spmd
 
     n = args.devices or 8
@@ -441,6 +449,21 @@ def _bench(args) -> int:
         )
     else:
         print(spmd.table(spec, rows, n))
+    return 0
+
+
+def _bench_coshard(args) -> int:
+    from bench import coshard
+
+    n = args.devices or 8
+    plans = (
+        {expr: (parse_plan(expr).tp, parse_plan(expr)) for expr in args.plan} if args.plan else None
+    )
+    spec, rows, skipped = coshard.run(args.model or "swin-bench", n, steps=args.steps, plans=plans)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=1))
+    else:
+        print(coshard.table(spec, rows, skipped))
     return 0
 
 

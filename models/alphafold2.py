@@ -256,8 +256,10 @@ def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, *, bias: bool = True) -> nnx.
     return nnx.Linear(d_in, d_out, use_bias=bias, rngs=rngs)
 
 
-def _norm(dim: int, cfg: AlphaFold2Config, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(dim, epsilon=cfg.norm_eps, rngs=rngs)
+def _norm(
+    dim: int, cfg: AlphaFold2Config, rngs: nnx.Rngs, *, bias: bool = True
+) -> nnx.LayerNorm:
+    return nnx.LayerNorm(dim, epsilon=cfg.norm_eps, use_bias=bias, rngs=rngs)
 
 
 def _split_heads(x: jax.Array, heads: int) -> jax.Array:
@@ -293,7 +295,8 @@ class MSARowAttention(nnx.Module):
         h, c = cfg.msa_heads, cfg.msa_head_dim
         self.heads, self.head_dim = h, c
         self.norm = _norm(cfg.c_m, cfg, rngs)
-        self.pair_norm = _norm(cfg.c_z, cfg, rngs)
+        # no offset: it would add a constant to every logit, which softmax ignores
+        self.pair_norm = _norm(cfg.c_z, cfg, rngs, bias=False)
         self.q = _linear(cfg.c_m, h * c, rngs, bias=False)
         self.k = _linear(cfg.c_m, h * c, rngs, bias=False)
         self.v = _linear(cfg.c_m, h * c, rngs, bias=False)
@@ -492,57 +495,62 @@ class RecyclingEmbedder(nnx.Module):
 
 class StructureLayer(nnx.Module):
     """One layer of the simplified structure head: attention over residues with a bias
-    from the pair representation, then a 3-layer ReLU transition; each adds a residual
-    and layer-normalises (Alg. 20, lines 6-10, with the point terms of IPA left out)."""
+    from the pair representation (IPA without its point terms, Alg. 22), then a 3-layer
+    ReLU transition (Alg. 20, line 8), each a pre-LayerNorm residual update."""
 
     def __init__(self, cfg: AlphaFold2Config, *, rngs: nnx.Rngs):
         h, c = cfg.structure_heads, cfg.structure_head_dim
         self.heads, self.head_dim = h, c
+        self.attn_norm = _norm(cfg.c_s, cfg, rngs)
         self.q = _linear(cfg.c_s, h * c, rngs, bias=False)
         self.k = _linear(cfg.c_s, h * c, rngs, bias=False)
         self.v = _linear(cfg.c_s, h * c, rngs, bias=False)
         self.pair_bias = _linear(cfg.c_z, h, rngs, bias=False)
         self.out = _linear(h * c, cfg.c_s, rngs)
-        self.attn_norm = _norm(cfg.c_s, cfg, rngs)
+        self.transition_norm = _norm(cfg.c_s, cfg, rngs)
         self.t1 = _linear(cfg.c_s, cfg.c_s, rngs)
         self.t2 = _linear(cfg.c_s, cfg.c_s, rngs)
         self.t3 = _linear(cfg.c_s, cfg.c_s, rngs)
-        self.transition_norm = _norm(cfg.c_s, cfg, rngs)
 
     def __call__(self, s: jax.Array, z: jax.Array) -> jax.Array:
-        q = _split_heads(self.q(s), self.heads)  # [B, i, h, c]
-        k = _split_heads(self.k(s), self.heads)
-        v = _split_heads(self.v(s), self.heads)
+        x = self.attn_norm(s)
+        q = _split_heads(self.q(x), self.heads)  # [B, i, h, c]
+        k = _split_heads(self.k(x), self.heads)
+        v = _split_heads(self.v(x), self.heads)
         logits = jnp.einsum("bihc,bjhc->bhij", q, k) / jnp.sqrt(jnp.float32(self.head_dim))
         logits = logits + jnp.transpose(self.pair_bias(z), (0, 3, 1, 2))
         probs = jax.nn.softmax(logits, axis=-1)
-        o = _merge_heads(jnp.einsum("bhij,bjhc->bihc", probs, v))
-        s = self.attn_norm(s + self.out(o))
-        t = self.t3(jax.nn.relu(self.t2(jax.nn.relu(self.t1(s)))))
-        return self.transition_norm(s + t)
+        s = s + self.out(_merge_heads(jnp.einsum("bhij,bjhc->bihc", probs, v)))
+        x = self.transition_norm(s)
+        return s + self.t3(jax.nn.relu(self.t2(jax.nn.relu(self.t1(x)))))
 
 
 class StructureHead(nnx.Module):
-    """First MSA row and pair representation -> C-alpha coordinates ``[B, r, 3]`` in Å."""
+    """First MSA row and pair representation -> C-alpha coordinates ``[B, r, 3]`` in Å.
+
+    The last LayerNorm and the coordinate projection have no offsets: an offset shared
+    by every residue only translates the structure, which the loss cannot see.
+    """
 
     POSITION_SCALE = 10.0  # AlphaFold2's structure module works in nm and outputs Å
 
     def __init__(self, cfg: AlphaFold2Config, *, rngs: nnx.Rngs):
         self.single = _linear(cfg.c_m, cfg.c_s, rngs)  # Alg. 6's s_i = Linear(m_1i)
         self.single_norm = _norm(cfg.c_s, cfg, rngs)
-        self.pair_norm = _norm(cfg.c_z, cfg, rngs)
         self.single_in = _linear(cfg.c_s, cfg.c_s, rngs)
+        self.pair_norm = _norm(cfg.c_z, cfg, rngs, bias=False)  # feeds attention biases
         self.layers = nnx.List(
             [StructureLayer(cfg, rngs=rngs) for _ in range(cfg.n_structure_layers)]
         )
-        self.coords = _linear(cfg.c_s, 3, rngs)
+        self.final_norm = _norm(cfg.c_s, cfg, rngs, bias=False)
+        self.coords = _linear(cfg.c_s, 3, rngs, bias=False)
 
     def __call__(self, m1: jax.Array, z: jax.Array) -> jax.Array:
         s = self.single_in(self.single_norm(self.single(m1)))
         z = self.pair_norm(z)
         for layer in self.layers:
             s = layer(s, z)
-        return self.POSITION_SCALE * self.coords(s)
+        return self.POSITION_SCALE * self.coords(self.final_norm(s))
 
 
 class AlphaFold2(nnx.Module):
@@ -678,7 +686,7 @@ def num_params(cfg: AlphaFold2Config) -> int:
     hz = cfg.pair_heads * cfg.pair_head_dim
     hs = cfg.structure_heads * cfg.structure_head_dim
     col_attn = norm(c_m) + 3 * lin(c_m, hm, False) + lin(c_m, hm) + lin(hm, c_m)
-    row_attn = col_attn + norm(c_z) + lin(c_z, cfg.msa_heads, False)
+    row_attn = col_attn + c_z + lin(c_z, cfg.msa_heads, False)  # LayerNorm, no offset
     opm = norm(c_m) + 2 * lin(c_m, cfg.c_opm) + lin(cfg.c_opm**2, c_z)
     tri_mul = norm(c_z) + 4 * lin(c_z, cfg.c_tri) + lin(c_z, c_z) + norm(cfg.c_tri)
     tri_mul += lin(cfg.c_tri, c_z)
@@ -695,7 +703,7 @@ def num_params(cfg: AlphaFold2Config) -> int:
     recycle = norm(c_m) + lin(c_m, c_m) + norm(c_z) + lin(c_z, c_z)
     layer = 3 * lin(c_s, hs, False) + lin(c_z, cfg.structure_heads, False) + lin(hs, c_s)
     layer += 2 * norm(c_s) + 3 * lin(c_s, c_s)
-    structure = lin(c_m, c_s) + norm(c_s) + norm(c_z) + lin(c_s, c_s) + lin(c_s, 3)
+    structure = lin(c_m, c_s) + norm(c_s) + c_z + lin(c_s, c_s) + c_s + lin(c_s, 3, False)
     structure += cfg.n_structure_layers * layer
     distogram = lin(c_z, cfg.distogram_bins)
     return embed + recycle + cfg.n_blocks * block + distogram + structure

@@ -304,6 +304,13 @@ def window_reverse(x: jax.Array, window: int, h: int, w: int) -> jax.Array:
 # ---- layers ---------------------------------------------------------------------------
 
 
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, *, bias: bool = True) -> nnx.Linear:
+    """A linear layer initialised as in the reference: truncated normal (std 0.02)
+    weights, zero bias."""
+    init = nnx.initializers.truncated_normal(stddev=0.02)
+    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=init, rngs=rngs)
+
+
 def _layer_norm(cfg: SwinConfig, dim: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(dim, epsilon=cfg.norm_eps, rngs=rngs)
 
@@ -327,10 +334,12 @@ class WindowAttention(nnx.Module):
         self.window = window
         self.resolution = resolution
         self.shift = shift
-        self.q_proj = nnx.Linear(dim, dim, rngs=rngs)
-        self.k_proj = nnx.Linear(dim, dim, rngs=rngs)
-        self.v_proj = nnx.Linear(dim, dim, rngs=rngs)
-        self.o_proj = nnx.Linear(dim, dim, rngs=rngs)
+        self.q_proj = _linear(dim, dim, rngs)
+        # No key bias: it adds q.b to every score of a query, which the softmax ignores,
+        # so its gradient is exactly zero (only rounding noise).
+        self.k_proj = _linear(dim, dim, rngs, bias=False)
+        self.v_proj = _linear(dim, dim, rngs)
+        self.o_proj = _linear(dim, dim, rngs)
         init = nnx.initializers.truncated_normal(stddev=0.02)
         self.relative_bias = nnx.Param(init(rngs.params(), ((2 * window - 1) ** 2, n_heads)))
 
@@ -363,8 +372,8 @@ class MLP(nnx.Module):
     """``fc2(gelu(fc1(x)))`` with the exact (erf) GELU, as in the reference."""
 
     def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
-        self.fc1 = nnx.Linear(dim, hidden, rngs=rngs)
-        self.fc2 = nnx.Linear(hidden, dim, rngs=rngs)
+        self.fc1 = _linear(dim, hidden, rngs)
+        self.fc2 = _linear(hidden, dim, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
@@ -411,7 +420,7 @@ class PatchMerging(nnx.Module):
 
     def __init__(self, cfg: SwinConfig, dim: int, *, rngs: nnx.Rngs):
         self.norm = _layer_norm(cfg, 4 * dim, rngs)
-        self.reduction = nnx.Linear(4 * dim, 2 * dim, use_bias=False, rngs=rngs)
+        self.reduction = _linear(4 * dim, 2 * dim, rngs, bias=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, h, w, c = x.shape
@@ -447,7 +456,7 @@ class Swin(nnx.Module):
             [PatchMerging(cfg, cfg.dims[i], rngs=rngs) for i in range(cfg.n_stages - 1)]
         )
         self.norm = _layer_norm(cfg, cfg.dims[-1], rngs)
-        self.head = nnx.Linear(cfg.dims[-1], cfg.num_classes, rngs=rngs)
+        self.head = _linear(cfg.dims[-1], cfg.num_classes, rngs)
 
     def embed(self, images: jax.Array) -> jax.Array:
         """``images[b, H, W, c] -> tokens[b, H/p, W/p, embed_dim]``: each patch flattened
@@ -506,7 +515,7 @@ def num_params(cfg: SwinConfig) -> int:
     total = p * p * cfg.in_channels * cfg.embed_dim + cfg.embed_dim + norm(cfg.embed_dim)
     for stage, window, _ in cfg.block_layout():
         d, h, hidden = cfg.dims[stage], cfg.num_heads[stage], cfg.mlp_ratio * cfg.dims[stage]
-        attn = 4 * (d * d + d) + (2 * window - 1) ** 2 * h
+        attn = 4 * d * d + 3 * d + (2 * window - 1) ** 2 * h  # no key bias
         mlp = d * hidden + hidden + hidden * d + d
         total += 2 * norm(d) + attn + mlp
     for d in cfg.dims[:-1]:

@@ -70,3 +70,30 @@ def test_bare_names_and_bad_degrees():
         alphafold_3f1b(pp=1)(None, 8)
     with pytest.raises(jscaler.PlanError, match="divisible by pp"):
         coshard(pp=3)(None, 8)
+
+
+# ---- the reference models: each with the paper's plan for it and the baselines ----------
+
+MODEL_SPACES = [
+    ("t5-tiny", "interlaced"),  # bare names: the space's defaults for 8 devices
+    ("t5-tiny", "megatron_3d"),
+    ("t5-tiny", "deepspeed"),
+    ("t5-tiny", "coshard"),
+    ("swin-tiny", "coshard"),
+    ("swin-tiny", "megatron_3d"),
+    ("swin-tiny", "deepspeed"),
+    ("alphafold2-tiny", "alphafold_3f1b"),
+    ("alphafold2-tiny", "megatron_3d"),
+    ("alphafold2-tiny", "deepspeed"),
+]
+
+
+@pytest.mark.parametrize("model_name, space", MODEL_SPACES)
+def test_reference_model_under_space_matches_one_device(model_name, space):
+    plan = SPACES[space]()
+    spec = models.get(model_name)
+    graph = jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+    if isinstance(plan(graph, 8), jscaler.PipelinePlan):
+        pipeline_parity(model_name, plan, 2)
+    else:
+        assert_parity(model_name, plan)
