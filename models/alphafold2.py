@@ -35,10 +35,13 @@ Simplifications, each keeping the shapes and the communication pattern of the or
   masked-MSA loss). The first MSA row is the target sequence.
 - The structure head replaces invariant point attention and the backbone frames with an
   invariant single-representation transformer: the first MSA row is projected to the
-  single representation ``s``, then ``n_structure_layers`` layers (separate weights,
-  where AlphaFold2 shares one IPA layer over 8 iterations) of multi-head attention with a
-  bias from the pair representation and a 3-layer transition, each with a residual and a
-  LayerNorm as in Alg. 20; a final linear layer gives C-alpha coordinates in Å.
+  single representation ``s``, then one layer, applied ``n_structure_layers`` times with
+  the same weights as AlphaFold2's IPA layer is, of multi-head attention with a bias
+  from the pair representation (IPA without its point terms) and a 3-layer transition,
+  as pre-LayerNorm residual updates (Alg. 20 normalises after each residual instead); a
+  final LayerNorm and linear layer give C-alpha coordinates in Å. Being shared, the
+  layer is not a module list, so the repeated layers jscaler finds are the Evoformer
+  blocks.
 - Losses: distogram cross-entropy against binned true C-alpha distances (AlphaFold2 bins
   C-beta distances), and instead of FAPE a rotation- and translation-invariant
   distance loss, the mean squared error of all pairwise C-alpha distances (a dRMSD
@@ -46,9 +49,14 @@ Simplifications, each keeping the shapes and the communication pattern of the or
   over residue pairs and then over the batch. No pLDDT, violation or auxiliary losses.
 - Recycling embeds only the first MSA row and the pair representation (no distances of
   the previous pass's structure: the structure head runs in the last pass alone).
-- Default Flax initialisers everywhere: AlphaFold2 zero-initialises the last linear layer
-  of each residual update and the gates' weights, which makes the first step's gradients
-  of everything before them vanish; random weights make every gradient non-zero.
+- Initialisation: AlphaFold2 zero-initialises the last linear layer of each residual
+  update, so that every block starts as the identity; here those kernels are random but
+  small (a tenth of the default scale), which keeps the blocks near the identity and
+  every gradient non-zero from the first step. Gates use the default initialisers.
+- No parameter is invisible to the loss: the LayerNorms that only feed attention
+  biases, the last LayerNorm and the coordinate projection have no offset (softmax
+  ignores a constant added to every logit, and the distance loss ignores a
+  translation), so no gradient is zero by symmetry.
 - fp32 throughout, no dropout, deterministic.
 
 Written as plain flax.nnx, with no jscaler imports. Submodule attribute names are part of
@@ -77,11 +85,13 @@ __all__ = [
     "synthetic_batch",
     "num_params",
     "evoformer_params",
+    "loss_terms",
+    "pairwise_distances",
+    "distogram_bins",
 ]
 
 AATYPES = 21  # 20 amino acids + unknown: the target sequence's tokens
 MSA_TOKENS = 22  # the same + a gap
-GAP = 21
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,8 @@ class AlphaFold2Config:
       transition: Widening factor of the MSA and pair transitions [n].
       relpos_k: Relative positions are clipped to ``[-relpos_k, relpos_k]``
         (``2 * relpos_k + 1`` classes) [r_max].
-      n_structure_layers: Layers of the simplified structure head.
+      n_structure_layers: Times the structure head's one layer is applied (its weights
+        are shared, as AlphaFold2's 8 IPA iterations share theirs).
       structure_heads: Heads of the structure head's attention.
       structure_head_dim: Width of one structure head attention head.
       distogram_bins: Distance bins of the distogram head.
@@ -190,7 +201,7 @@ class AlphaFold2Config:
 
 
 def tiny() -> AlphaFold2Config:
-    """A test-sized model (~0.1M parameters): 4 blocks, 4 MSA rows of 8 residues.
+    """A test-sized model (~28k parameters): 4 blocks, 4 MSA rows of 8 residues.
 
     Every head count and hidden width is even, so tensor parallelism of degree 2 can
     split heads and hidden features.
@@ -252,13 +263,22 @@ CONFIGS = {"tiny": tiny, "paper": paper, "openfold_default": openfold_default}
 # ---- building blocks ----------------------------------------------------------------------
 
 
-def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, *, bias: bool = True) -> nnx.Linear:
+# AlphaFold2 initialises the last linear layer of every residual update to zero, so each
+# block starts as the identity. A zero kernel would also zero the first step's gradient
+# of everything before it; a small one (a tenth of the default standard deviation) keeps
+# the blocks near the identity, with every gradient non-zero from the first step.
+_FINAL_INIT = nnx.initializers.variance_scaling(0.01, "fan_in", "truncated_normal")
+
+
+def _linear(
+    d_in: int, d_out: int, rngs: nnx.Rngs, *, bias: bool = True, final: bool = False
+) -> nnx.Linear:
+    if final:
+        return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=_FINAL_INIT, rngs=rngs)
     return nnx.Linear(d_in, d_out, use_bias=bias, rngs=rngs)
 
 
-def _norm(
-    dim: int, cfg: AlphaFold2Config, rngs: nnx.Rngs, *, bias: bool = True
-) -> nnx.LayerNorm:
+def _norm(dim: int, cfg: AlphaFold2Config, rngs: nnx.Rngs, *, bias: bool = True) -> nnx.LayerNorm:
     return nnx.LayerNorm(dim, epsilon=cfg.norm_eps, use_bias=bias, rngs=rngs)
 
 
@@ -278,7 +298,7 @@ class Transition(nnx.Module):
     def __init__(self, dim: int, cfg: AlphaFold2Config, *, rngs: nnx.Rngs):
         self.norm = _norm(dim, cfg, rngs)
         self.up = _linear(dim, cfg.transition * dim, rngs)
-        self.down = _linear(cfg.transition * dim, dim, rngs)
+        self.down = _linear(cfg.transition * dim, dim, rngs, final=True)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.relu(self.up(self.norm(x))))
@@ -302,7 +322,7 @@ class MSARowAttention(nnx.Module):
         self.v = _linear(cfg.c_m, h * c, rngs, bias=False)
         self.pair_bias = _linear(cfg.c_z, h, rngs, bias=False)
         self.gate = _linear(cfg.c_m, h * c, rngs)
-        self.out = _linear(h * c, cfg.c_m, rngs)
+        self.out = _linear(h * c, cfg.c_m, rngs, final=True)
 
     def __call__(self, m: jax.Array, z: jax.Array) -> jax.Array:
         x = self.norm(m)
@@ -329,7 +349,7 @@ class MSAColumnAttention(nnx.Module):
         self.k = _linear(cfg.c_m, h * c, rngs, bias=False)
         self.v = _linear(cfg.c_m, h * c, rngs, bias=False)
         self.gate = _linear(cfg.c_m, h * c, rngs)
-        self.out = _linear(h * c, cfg.c_m, rngs)
+        self.out = _linear(h * c, cfg.c_m, rngs, final=True)
 
     def __call__(self, m: jax.Array) -> jax.Array:
         x = self.norm(m)
@@ -351,7 +371,7 @@ class OuterProductMean(nnx.Module):
         self.norm = _norm(cfg.c_m, cfg, rngs)
         self.a = _linear(cfg.c_m, cfg.c_opm, rngs)
         self.b = _linear(cfg.c_m, cfg.c_opm, rngs)
-        self.out = _linear(cfg.c_opm * cfg.c_opm, cfg.c_z, rngs)
+        self.out = _linear(cfg.c_opm * cfg.c_opm, cfg.c_z, rngs, final=True)
 
     def __call__(self, m: jax.Array) -> jax.Array:
         x = self.norm(m)
@@ -373,7 +393,7 @@ class TriangleMultiplication(nnx.Module):
         self.b_gate = _linear(cfg.c_z, cfg.c_tri, rngs)
         self.gate = _linear(cfg.c_z, cfg.c_z, rngs)
         self.out_norm = _norm(cfg.c_tri, cfg, rngs)
-        self.out = _linear(cfg.c_tri, cfg.c_z, rngs)
+        self.out = _linear(cfg.c_tri, cfg.c_z, rngs, final=True)
 
     def __call__(self, z: jax.Array) -> jax.Array:
         x = self.norm(z)
@@ -400,7 +420,7 @@ class TriangleAttention(nnx.Module):
         self.v = _linear(cfg.c_z, h * c, rngs, bias=False)
         self.pair_bias = _linear(cfg.c_z, h, rngs, bias=False)
         self.gate = _linear(cfg.c_z, h * c, rngs)
-        self.out = _linear(h * c, cfg.c_z, rngs)
+        self.out = _linear(h * c, cfg.c_z, rngs, final=True)
 
     def __call__(self, z: jax.Array) -> jax.Array:
         x = self.norm(z)
@@ -506,11 +526,11 @@ class StructureLayer(nnx.Module):
         self.k = _linear(cfg.c_s, h * c, rngs, bias=False)
         self.v = _linear(cfg.c_s, h * c, rngs, bias=False)
         self.pair_bias = _linear(cfg.c_z, h, rngs, bias=False)
-        self.out = _linear(h * c, cfg.c_s, rngs)
+        self.out = _linear(h * c, cfg.c_s, rngs, final=True)
         self.transition_norm = _norm(cfg.c_s, cfg, rngs)
         self.t1 = _linear(cfg.c_s, cfg.c_s, rngs)
         self.t2 = _linear(cfg.c_s, cfg.c_s, rngs)
-        self.t3 = _linear(cfg.c_s, cfg.c_s, rngs)
+        self.t3 = _linear(cfg.c_s, cfg.c_s, rngs, final=True)
 
     def __call__(self, s: jax.Array, z: jax.Array) -> jax.Array:
         x = self.attn_norm(s)
@@ -539,17 +559,16 @@ class StructureHead(nnx.Module):
         self.single_norm = _norm(cfg.c_s, cfg, rngs)
         self.single_in = _linear(cfg.c_s, cfg.c_s, rngs)
         self.pair_norm = _norm(cfg.c_z, cfg, rngs, bias=False)  # feeds attention biases
-        self.layers = nnx.List(
-            [StructureLayer(cfg, rngs=rngs) for _ in range(cfg.n_structure_layers)]
-        )
+        self.n_layers = cfg.n_structure_layers
+        self.layer = StructureLayer(cfg, rngs=rngs)  # applied n_layers times
         self.final_norm = _norm(cfg.c_s, cfg, rngs, bias=False)
         self.coords = _linear(cfg.c_s, 3, rngs, bias=False)
 
     def __call__(self, m1: jax.Array, z: jax.Array) -> jax.Array:
         s = self.single_in(self.single_norm(self.single(m1)))
         z = self.pair_norm(z)
-        for layer in self.layers:
-            s = layer(s, z)
+        for _ in range(self.n_layers):
+            s = self.layer(s, z)
         return self.POSITION_SCALE * self.coords(self.final_norm(s))
 
 
@@ -704,7 +723,7 @@ def num_params(cfg: AlphaFold2Config) -> int:
     layer = 3 * lin(c_s, hs, False) + lin(c_z, cfg.structure_heads, False) + lin(hs, c_s)
     layer += 2 * norm(c_s) + 3 * lin(c_s, c_s)
     structure = lin(c_m, c_s) + norm(c_s) + c_z + lin(c_s, c_s) + c_s + lin(c_s, 3, False)
-    structure += cfg.n_structure_layers * layer
+    structure += layer  # one layer, applied n_structure_layers times
     distogram = lin(c_z, cfg.distogram_bins)
     return embed + recycle + cfg.n_blocks * block + distogram + structure
 

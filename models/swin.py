@@ -13,7 +13,12 @@ maps it to 2C, halving the resolution; the heads double from stage to stage. The
 final LayerNorm, a mean over tokens and a linear classifier.
 
 As in the reference implementation, a stage whose resolution is at most the window size
-uses the whole resolution as its one window and never shifts.
+uses the whole resolution as its one window and never shifts. Two small departures from
+it keep fp32 parity checks meaningful: the key projection has no bias (the softmax is
+blind to it, so its gradient is exactly zero and only rounding noise would be compared),
+and biases start at small random values rather than zeros (see ``_bias_init``). Weights
+are truncated normal with std 0.02 as in the reference, except the patch embedding's,
+which keeps the fan-in init the reference's convolution has.
 
 Activations keep the image layout ``[batch, height, width, channels]`` throughout, and
 windows keep the batch axis apart (``[batch, windows, tokens, channels]``), so the batch
@@ -52,6 +57,9 @@ __all__ = [
     "MLP",
     "Block",
     "PatchMerging",
+    "window_partition",
+    "window_reverse",
+    "merge_neighbourhoods",
     "Swin",
     "loss",
     "synthetic_batch",
@@ -175,11 +183,12 @@ class SwinConfig:
 
 
 def tiny() -> SwinConfig:
-    """A test-sized model (~0.9M parameters): 32x32 images, 2x2 patches (16x16 tokens),
+    """A test-sized model (~2.3M parameters): 32x32 images, 2x2 patches (16x16 tokens),
     4x4 windows, 4 stages of 2 blocks, 8-dim heads (4-8-16-32), 10 classes.
 
-    Every head count is divisible by 4 and every hidden width by 8, so tensor parallelism
-    of degree 2 or 4 splits every attention by heads and of degree 2..8 every MLP."""
+    Every head count and channel width is divisible by 4 and every MLP width by 8, so
+    tensor parallelism of degree 2 or 4 can split any stage's heads, and of degree 2..8
+    its MLP features."""
     return SwinConfig(
         image_size=32,
         patch_size=2,
@@ -205,7 +214,8 @@ def swin_tiny_224() -> SwinConfig:
 
 
 def _paper(layers: int, dim: int, heads: int) -> SwinConfig:
-    """nnScaler's high-resolution Swin: 1536x1536 images, window 48, depths 2-2-(L-6)-2."""
+    """nnScaler's high-resolution Swin: 1536x1536 images in 4x4 patches (384x384 tokens),
+    window 48, depths 2-2-(L-6)-2, heads h-2h-4h-8h, 1024 classes."""
     return SwinConfig(
         image_size=1536,
         patch_size=4,
@@ -218,22 +228,22 @@ def _paper(layers: int, dim: int, heads: int) -> SwinConfig:
 
 
 def paper_4gpu() -> SwinConfig:
-    """nnScaler's Swin for 4 GPUs: 32 layers, C = 512, 16 heads in stage 1 (~2.6B)."""
+    """nnScaler's Swin for 4 GPUs: 32 layers, C = 512, 16 heads in stage 1 (~1.8B)."""
     return _paper(32, 512, 16)
 
 
 def paper_8gpu() -> SwinConfig:
-    """nnScaler's Swin for 8 GPUs: 40 layers, C = 768, 24 heads in stage 1 (~7.6B)."""
+    """nnScaler's Swin for 8 GPUs: 40 layers, C = 768, 24 heads in stage 1 (~5.0B)."""
     return _paper(40, 768, 24)
 
 
 def paper_16gpu() -> SwinConfig:
-    """nnScaler's Swin for 16 GPUs: 48 layers, C = 1024, 32 heads in stage 1 (~16B)."""
+    """nnScaler's Swin for 16 GPUs: 48 layers, C = 1024, 32 heads in stage 1 (~10.4B)."""
     return _paper(48, 1024, 32)
 
 
 def paper_32gpu() -> SwinConfig:
-    """nnScaler's Swin for 32 GPUs: 56 layers, C = 1536, 32 heads in stage 1 (~42B)."""
+    """nnScaler's Swin for 32 GPUs: 56 layers, C = 1536, 32 heads in stage 1 (~27B)."""
     return _paper(56, 1536, 32)
 
 
@@ -247,7 +257,7 @@ CONFIGS = {
 }
 
 
-# ---- constants of the windows (numpy, computed once per block) ------------------------
+# ---- constants of the windows (numpy, cached per window size and shift) ----------------
 
 
 @functools.cache
@@ -258,7 +268,9 @@ def relative_position_index(window: int) -> tuple[np.ndarray, np.ndarray]:
     coords = np.stack(np.meshgrid(np.arange(window), np.arange(window), indexing="ij"))
     coords = coords.reshape(2, -1)  # [2, N], row-major over the window
     rel = coords[:, :, None] - coords[:, None, :] + (window - 1)  # [2, N, N]
-    return rel[0].astype(np.int32), rel[1].astype(np.int32)
+    rows, cols = rel[0].astype(np.int32), rel[1].astype(np.int32)
+    rows.flags.writeable = cols.flags.writeable = False  # cached: shared by every caller
+    return rows, cols
 
 
 def shift_window_segments(resolution: int, window: int, shift: int) -> np.ndarray:
@@ -282,7 +294,9 @@ def shift_window_mask(resolution: int, window: int, shift: int) -> np.ndarray:
     seg = shift_window_segments(resolution, window, shift)
     if shift == 0:
         seg = np.zeros_like(seg)
-    return seg[:, :, None] == seg[:, None, :]
+    mask = seg[:, :, None] == seg[:, None, :]
+    mask.flags.writeable = False  # cached: shared by every caller
+    return mask
 
 
 def window_partition(x: jax.Array, window: int) -> jax.Array:
@@ -301,18 +315,42 @@ def window_reverse(x: jax.Array, window: int, h: int, w: int) -> jax.Array:
     return x.reshape(b, h, w, c)
 
 
+def merge_neighbourhoods(x: jax.Array) -> jax.Array:
+    """``[b, h, w, c] -> [b, h/2, w/2, 4c]``: the 2x2 neighbourhood of each output token
+    concatenated in the reference's order, offsets (0,0), (1,0), (0,1), (1,1) (row, col),
+    by a reshape and a transpose (no strided slices)."""
+    b, h, w, c = x.shape
+    x = x.reshape(b, h // 2, 2, w // 2, 2, c)  # [b, i, di, j, dj, c]
+    return x.transpose(0, 1, 3, 4, 2, 5).reshape(b, h // 2, w // 2, 4 * c)  # dj major
+
+
 # ---- layers ---------------------------------------------------------------------------
 
 
+_INIT_STD = 0.02  # the reference's truncated-normal weight init
+
+
+def _bias_init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+    """Small random biases instead of the reference's zeros: a parameter that starts at
+    exactly zero is, after one step, only its own update, so a parity check relative to
+    its size magnifies fp32 summation-order noise; small random starts avoid that."""
+    return _INIT_STD * jax.random.normal(key, shape, dtype)
+
+
 def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, *, bias: bool = True) -> nnx.Linear:
-    """A linear layer initialised as in the reference: truncated normal (std 0.02)
-    weights, zero bias."""
-    init = nnx.initializers.truncated_normal(stddev=0.02)
-    return nnx.Linear(d_in, d_out, use_bias=bias, kernel_init=init, rngs=rngs)
+    """A linear layer with truncated-normal (std 0.02) weights, as in the reference."""
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=bias,
+        kernel_init=nnx.initializers.truncated_normal(stddev=_INIT_STD),
+        bias_init=_bias_init,
+        rngs=rngs,
+    )
 
 
 def _layer_norm(cfg: SwinConfig, dim: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(dim, epsilon=cfg.norm_eps, rngs=rngs)
+    return nnx.LayerNorm(dim, epsilon=cfg.norm_eps, bias_init=_bias_init, rngs=rngs)
 
 
 class WindowAttention(nnx.Module):
@@ -340,7 +378,7 @@ class WindowAttention(nnx.Module):
         self.k_proj = _linear(dim, dim, rngs, bias=False)
         self.v_proj = _linear(dim, dim, rngs)
         self.o_proj = _linear(dim, dim, rngs)
-        init = nnx.initializers.truncated_normal(stddev=0.02)
+        init = nnx.initializers.truncated_normal(stddev=_INIT_STD)
         self.relative_bias = nnx.Param(init(rngs.params(), ((2 * window - 1) ** 2, n_heads)))
 
     def position_bias(self) -> jax.Array:
@@ -423,10 +461,7 @@ class PatchMerging(nnx.Module):
         self.reduction = _linear(4 * dim, 2 * dim, rngs, bias=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        b, h, w, c = x.shape
-        x = x.reshape(b, h // 2, 2, w // 2, 2, c)  # [b, i, di, j, dj, c]
-        x = x.transpose(0, 1, 3, 4, 2, 5).reshape(b, h // 2, w // 2, 4 * c)  # dj-major
-        return self.reduction(self.norm(x))
+        return self.reduction(self.norm(merge_neighbourhoods(x)))
 
 
 class Swin(nnx.Module):
@@ -436,7 +471,10 @@ class Swin(nnx.Module):
     def __init__(self, cfg: SwinConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         p = cfg.patch_size
-        self.patch_embed = nnx.Linear(p * p * cfg.in_channels, cfg.embed_dim, rngs=rngs)
+        # The reference's patch embedding is a convolution with its default (fan-in) init.
+        self.patch_embed = nnx.Linear(
+            p * p * cfg.in_channels, cfg.embed_dim, bias_init=_bias_init, rngs=rngs
+        )
         self.patch_norm = _layer_norm(cfg, cfg.embed_dim, rngs)
         self.blocks = nnx.List(
             [

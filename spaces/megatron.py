@@ -6,7 +6,9 @@ annotations. Through attention that class is the heads; through an MLP, the hidd
 features; it ends where a later weight op sums it away. So the first weight op of a
 class is split column-wise, the one that closes it row-wise (partial sums, reduced once),
 and everything between by heads or features, as Megatron-LM does by hand. A weight op
-already inside a chosen class is not seeded again. The embedding table is split by
+already inside a chosen class is not seeded again, nor one whose class runs through
+several repeated layers (the residual stream a linear patch embedding writes: the layers'
+heads and hidden features are split instead). The embedding table is split by
 vocabulary (partial-sum lookups). Ops that cannot split a class n ways get the whole
 tensor instead.
 
@@ -55,6 +57,7 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
     weight ops whose output features the very next op needs whole (an LM head feeding a
     softmax), which are better not split by features."""
     seeds, covered, heads = [], set(), []
+    layer_of = {o.id: i for i, lay in enumerate(graph.layers()) for o in lay.graph.ops}
     for op in graph.ops:
         ann = op.annotation
         if ann is None:
@@ -80,6 +83,8 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
             if axis is None:
                 continue
             cls = classes.of(x, axis)
+            if _spans_layers(classes, cls, layer_of):
+                break  # a residual stream (a linear patch embedding's output): not a region
             if _needed_whole(graph, classes, op, cls):
                 heads.append(op)
             else:
@@ -87,6 +92,13 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
                 covered.add(cls)
             break
     return seeds, heads
+
+
+def _spans_layers(classes: DimClasses, cls, layer_of: dict[int, int]) -> bool:
+    """True when ops of more than one repeated layer carry the class: the features of a
+    residual stream (what a linear embedding writes), which every layer reads and adds
+    to. Megatron splits the layers' own classes (heads, hidden features) instead."""
+    return len({layer_of[op.id] for op, _ in classes.op_dims(cls) if op.id in layer_of}) > 1
 
 
 def tp_regions(classes: DimClasses, seeds, pieces: int):
@@ -98,9 +110,10 @@ def tp_regions(classes: DimClasses, seeds, pieces: int):
         dims = list(classes.op_dims(classes.of(*seed)))
         if any(op.annotation.sizes[d] % pieces for op, d in dims):
             continue
-        ops = [op for op, _ in dims]
-        if not any(op.primitive == "gather" for op in ops):
-            yield ops, seed
+        # the vocabulary class (a lookup's indexed axis) is not a region; a gather that
+        # keeps the class whole per index (a relative-position bias table's heads) is
+        if not any(op.primitive == "gather" and op.annotation.kinds[d] == "+" for op, d in dims):
+            yield [op for op, _ in dims], seed
 
 
 def _needed_whole(graph, classes, op, cls) -> bool:
@@ -141,7 +154,7 @@ class Megatron:
                 f"megatron(tp={self.tp}): the graph has no weight op (a matmul or convolution "
                 f"reading a parameter) or embedding lookup to split; use dp() or zero()"
             )
-        _check_seeds(graph, seeds, self.tp)
+        seeds = _divisible_seeds(graph, seeds, self.tp)
         # Heads (and what follows them) split along the sequence instead; with sp=True,
         # every activation outside the tensor-parallel regions does.
         seq = sequence_axes(graph)
@@ -183,17 +196,20 @@ def sequence_axes(graph: jscaler.Graph) -> list[tuple[int, int]]:
     ]
 
 
-def _check_seeds(graph: jscaler.Graph, seeds, tp: int) -> None:
-    """Every seeded weight must split tp ways, or the space does not apply: name it."""
-    for t, axis in seeds:
+def _divisible_seeds(graph: jscaler.Graph, seeds, tp: int) -> list:
+    """The seeds whose weight splits tp ways; the others (a 10-class classifier at tp=4)
+    stay whole. If none splits, the space does not apply: name the first."""
+    ok = [(t, axis) for t, axis in seeds if graph.tensors[t].shape[axis] % tp == 0]
+    if seeds and not ok:
+        t, axis = seeds[0]
         size = graph.tensors[t].shape[axis]
-        if size % tp:
-            user = next(o for o in graph.ops if t in o.tensor_inputs)
-            raise jscaler.PlanError(
-                f"megatron(tp={tp}) cannot split {user.where}: its weight "
-                f"{graph.tensors[t].name!r} has {size} features along axis {axis}, which "
-                f"{tp} does not divide. Choose tp among the divisors of {size}."
-            )
+        user = next(o for o in graph.ops if t in o.tensor_inputs)
+        raise jscaler.PlanError(
+            f"megatron(tp={tp}) cannot split {user.where}: its weight "
+            f"{graph.tensors[t].name!r} has {size} features along axis {axis}, which "
+            f"{tp} does not divide. Choose tp among the divisors of {size}."
+        )
+    return ok
 
 
 def _infer_dp(n_devices: int, tp: int, pp: int, dp: int | None, space: str) -> int:

@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jscaler.compile.layout import Layout
 from jscaler.errors import LayoutError
@@ -193,6 +194,10 @@ def bind_local(op: Op, ins, out_shapes, offsets: dict[int, object] | None = None
             f"region; leave it outside the region"
         )
     ins = _agree(ins, [v.aval.dtype for v in op.eqn.invars])
+    if op.primitive == "erfc":  # see _erfc
+        outs = [_erfc(ins[0])]
+        _check_shapes(op, outs, out_shapes)
+        return outs
     params = _piece_params(op, ins, out_shapes)
     prim = op.eqn.primitive
     # not under the equation's own context: it would restore the (non-manual) abstract
@@ -205,6 +210,21 @@ def bind_local(op: Op, ins, out_shapes, offsets: dict[int, object] | None = None
             outs[0] = outs[0] + offsets[dim].astype(outs[0].dtype)
     _check_shapes(op, outs, out_shapes)
     return outs
+
+
+@jax.custom_jvp
+def _erfc(x):
+    """``erfc`` whose derivative works under shard_map: JAX's own (0.12) evaluates a
+    ``polynomial`` with literal coefficients that its varying-axes check rejects, so
+    the exact GELU could not be differentiated inside a manual region. Same values; the
+    derivative -2/sqrt(pi) exp(-x^2) with ordinary ops."""
+    return jax.lax.erfc(x)
+
+
+@_erfc.defjvp
+def _erfc_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return _erfc(x), (-2.0 / np.sqrt(np.pi)) * jnp.exp(-x * x) * t
 
 
 def _bind_call(op: Op, ins, out_shapes):
