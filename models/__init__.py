@@ -67,9 +67,12 @@ def _gpt_spec(name: str, cfg: gpt.GPTConfig, batch_size: int, what: str) -> Mode
     )
 
 
-def _lazy(module: str, name: str, make: str, batch_size: int, description: str) -> ModelSpec:
+def _lazy(
+    module: str, name: str, make: str, batch_size: int, description: str, config: str = "tiny"
+) -> ModelSpec:
     """An nnx model whose module is imported on first use: ``models.<module>`` provides
-    ``tiny()``, the class ``make``, ``loss`` and ``synthetic_batch(cfg, size, seed)``."""
+    the config function ``config``, the class ``make``, ``loss`` and
+    ``synthetic_batch(cfg, size, seed)``."""
 
     def mod():
         return importlib.import_module(f"models.{module}")
@@ -77,9 +80,9 @@ def _lazy(module: str, name: str, make: str, batch_size: int, description: str) 
     return ModelSpec(
         name=name,
         kind="nnx",
-        init=lambda seed: getattr(mod(), make)(mod().tiny(), rngs=nnx.Rngs(seed)),
+        init=lambda seed: getattr(mod(), make)(getattr(mod(), config)(), rngs=nnx.Rngs(seed)),
         loss=lambda model, batch: mod().loss(model, batch),
-        batch=lambda size, seed: mod().synthetic_batch(mod().tiny(), size, seed),
+        batch=lambda size, seed: mod().synthetic_batch(getattr(mod(), config)(), size, seed),
         batch_size=batch_size,
         description=description,
     )
@@ -124,6 +127,14 @@ def _build() -> dict[str, ModelSpec]:
             ),
         ),
         _lazy("swin", "swin-tiny", "Swin", 8, "Swin Transformer, shifted windows, 4 stages"),
+        _lazy(
+            "swin",
+            "swin-bench",
+            "Swin",
+            8,
+            "Swin at 64x64, 8x8 windows: activations dominate (coshard bench)",
+            config="bench",
+        ),
         _lazy("t5", "t5-tiny", "T5", 8, "T5 encoder-decoder, relative buckets, tied embedding"),
         _lazy(
             "alphafold2",

@@ -200,6 +200,21 @@ def tiny() -> SwinConfig:
     )
 
 
+def bench() -> SwinConfig:
+    """For ``jscaler bench coshard``: 64x64 images in 2x2 patches (32x32 tokens) and 8x8
+    windows, so the first stage's attention scores and MLP activations dominate memory,
+    as in the paper's high-resolution models (~2.3M parameters)."""
+    return SwinConfig(
+        image_size=64,
+        patch_size=2,
+        embed_dim=32,
+        depths=(2, 2, 2, 2),
+        num_heads=(8, 8, 16, 32),
+        window_size=8,
+        num_classes=10,
+    )
+
+
 def swin_tiny_224() -> SwinConfig:
     """Swin-T of the paper (~28M parameters): 224x224 images, window 7, 1000 classes."""
     return SwinConfig(

@@ -1,9 +1,10 @@
 """AlphaFold2 (``models/alphafold2.py``): config, data, recycling, the traced graph, and
 training under data, tensor, ZeRO and 3F1B pipeline parallelism equal to one device.
 
-Every plan compiles the whole Evoformer (4 blocks, 3 passes) for 8 devices, so the plans
-share what they can: the graph and the single-device reference are built once, and each
-pipeline trainer is cached for the tests that look at it.
+Every plan traces, plans and compiles the whole recycled Evoformer (4 blocks, 3 passes,
+~5.8k ops, 413 parameters) for 8 devices: 1-2 minutes each on CPU. The graph and the
+single-device reference are built once and each pipeline trainer is cached; the quick
+run (``-m 'not slow'``) keeps one plan, the 3F1B pipeline with dp=4 inside each stage.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from flax import nnx
 import jscaler
 import models
 from jscaler.plan.pipeline import pass_of_ops
-from jscaler.runtime.reference import ATOL, compare, trainer_steps
+from jscaler.runtime.reference import compare, trainer_steps
 from models import alphafold2 as af
 from schedules import three_f_one_b
 from spaces import dp, megatron, zero
 
-from parity import LR, assert_parity, batches, reference, run_plan
+from parity import LR, assert_parity, batches, reference
 
 NAME = "alphafold2-tiny"
 BLOCKS = [f"evoformer/{i}" for i in range(af.tiny().n_blocks)]
@@ -197,12 +198,12 @@ def test_recycling_trains_only_through_the_last_pass():
             cfg.distogram_weight * terms["distogram"] + cfg.coord_weight * terms["drmsd"]
         )
 
-    full, g_full = nnx.jit(nnx.value_and_grad(af.loss))(model, batch)
-    last, g_last = nnx.jit(nnx.value_and_grad(last_pass))(model)
+    # op by op (one block is quicker to run eagerly than to compile twice)
+    full, g_full = nnx.value_and_grad(af.loss)(model, batch)
+    last, g_last = nnx.value_and_grad(last_pass)(model)
     np.testing.assert_allclose(full, last, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_last), strict=True):
-        # two programs, fused differently: fp32 rounding apart (the parity tolerance)
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
     # and recycling changes the result: one pass from zeros is another model
     one = af.AlphaFold2(cfg.replace(passes=1), rngs=nnx.Rngs(0))
     assert abs(float(af.loss(one, batch)) - float(full)) > 1e-4
@@ -249,36 +250,23 @@ def test_three_passes_with_the_heads_in_the_last():
 # ---- parity with one device --------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~85 s; the 3F1B pipeline below runs dp=4 inside each stage
 def test_data_parallel_matches_one_device():
     assert_parity(NAME, dp())
 
 
 @pytest.mark.slow
 def test_megatron_matches_one_device():
-    # Tensor parallelism regroups the row-parallel sums of every block (12 block runs per
-    # step), so gradients differ from one device by up to ~9e-6*max|g|, inside the usual
-    # 1e-5. A parameter is compared at 1e-6*max|p|, but a zero-initialised bias is after
-    # three steps nothing but 0.1*(g1+g2+g3): hold it to its gradients' tolerance.
-    trainer, got = run_plan(NAME, megatron(tp=2, dp=4))
-    mm = compare(got, reference(NAME)[: len(got)], atol={"param": ATOL["grad"]})
-    assert mm.ok, "\n".join(mm.lines[:10])
+    # the tightest check here: zero-initialised biases are, after k steps, k updates alone,
+    # compared at 1e-6*max|p| (the worst is ~0.4 of that tolerance)
+    trainer = assert_parity(NAME, megatron(tp=2, dp=4))
     names = [t.name for t in trainer.graph.params()]
     specs = dict(zip(names, (s.spec for s in jax.tree.leaves(trainer.shardings()))))
     for i in range(af.tiny().n_blocks):  # every block's weights are split over tp
         assert any("tp" in str(specs[n]) for n in names if n.startswith(f"evoformer/{i}/"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    run=False,
-    reason=(
-        "engine: ZeRO-3's prefetch (jscaler/compile/lower.py _prefetch_schedule) takes a "
-        "layer's ops from all recycling passes at once, and at the layer's first op in pass "
-        "0 reads carriers made only in passes 1-2: KeyError in _run_prefetch (also on "
-        "recycler-tiny). Not run: on this model zero(stage=3) first spends ~13 min building "
-        "the plan (one augment() of the whole graph per decoupled parameter, 413 of them)"
-    ),
-)
+@pytest.mark.slow  # ~45 s to build the plan: 413 parameters decoupled one by one
 def test_zero3_matches_one_device():
     assert_parity(NAME, zero(stage=3))
 
@@ -309,7 +297,9 @@ def pipelined(name):
     return trainer
 
 
-@pytest.mark.parametrize("name", list(PIPELINES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if "tp" in n else []) for n in PIPELINES]
+)
 def test_three_f_one_b_matches_one_device(name):
     trainer = pipelined(name)
     m = PIPELINES[name][1]
@@ -333,5 +323,6 @@ def test_every_pass_is_cut_into_the_same_stages():
     # passes 1 and 2 start from the previous pass's outputs, taken without a gradient
     assert [bool(st.frozen) for st in programs] == [False, False, True, False, True, False]
     # the heads run once, at the end of the last pass
-    heads = [st for st in programs if any(top(o.path) == "structure" for o in st.ops)]
-    assert [(st.pass_, st.stage) for st in heads] == [(2, 1)]
+    for head in ("structure", "distogram"):
+        runs = [st for st in programs if any(top(o.path) == head for o in st.ops)]
+        assert [(st.pass_, st.stage) for st in runs] == [(2, 1)], head

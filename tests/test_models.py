@@ -63,7 +63,7 @@ def _train(spec: models.ModelSpec, steps: int, lr: float) -> list[float]:
 
 def test_registry_names():
     expected = {"gpt-tiny", "gpt-small", "gpt-1.3b", "llama-7b", "llama-13b"} | set(TINY)
-    expected |= {"swin-tiny", "t5-tiny", "alphafold2-tiny"}
+    expected |= {"swin-tiny", "swin-bench", "t5-tiny", "alphafold2-tiny"}
     assert set(models.names()) == expected
     for name in models.names():
         spec = models.get(name)

@@ -86,9 +86,17 @@ MODEL_SPACES = [
     ("alphafold2-tiny", "megatron_3d"),
     ("alphafold2-tiny", "deepspeed"),
 ]
+SLOW = {
+    ("alphafold2-tiny", "megatron_3d"),
+    ("alphafold2-tiny", "deepspeed"),
+    ("swin-tiny", "deepspeed"),
+}
 
 
-@pytest.mark.parametrize("model_name, space", MODEL_SPACES)
+@pytest.mark.parametrize(
+    "model_name, space",
+    [pytest.param(*c, marks=[pytest.mark.slow] if c in SLOW else []) for c in MODEL_SPACES],
+)
 def test_reference_model_under_space_matches_one_device(model_name, space):
     plan = SPACES[space]()
     spec = models.get(model_name)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from jscaler.compile.layout import Layout
+from jscaler.compile.layout import Layout, replicated
 from jscaler.ir.graph import Literal
 
 __all__ = ["CommTable", "Transfer", "comm_table", "convert"]
@@ -164,6 +164,8 @@ def comm_table(lowered, microbatches: int = 1) -> CommTable:
     producer_layout: dict[int, Layout] = {}
     for t in g.inputs:
         producer_layout[t] = lowered.storage[t]
+    for t in g.consts:  # closed-over constants (a mask, an index table): on every device
+        producer_layout[t] = replicated(len(g.tensors[t].shape))
     recomputed = {op_id for grp in plan.recompute for op_id in grp}
 
     def info(t):

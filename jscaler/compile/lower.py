@@ -131,6 +131,7 @@ def _prefetch_schedule(plan: Plan) -> dict[int, Prefetch]:
         return {}
     layers = g.layers()
     inputs = set(g.inputs)
+    position = {o.id: k for k, o in enumerate(g.ops)}
     out = {}
     for cur, nxt in zip(layers, layers[1:]):
         ops = [o for o in nxt.graph.ops if o.id in identities]
@@ -143,7 +144,10 @@ def _prefetch_schedule(plan: Plan) -> dict[int, Prefetch]:
                 p = g.producer(x)
                 if x not in inputs and p is not None and p.id not in inside:
                     carriers.append(x)
-        if carriers:
+        start = position[cur.graph.ops[0].id]
+        # a layer run several times (recycling passes) reads values made after its first
+        # op: no prefetch there
+        if carriers and all(position[g.producer(x).id] < start for x in carriers):
             out[cur.graph.ops[0].id] = Prefetch(tuple(ops), tuple(dict.fromkeys(carriers)))
     return out
 

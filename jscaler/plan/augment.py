@@ -14,6 +14,7 @@ Their ids follow the forward ops' in a fixed order, so a plan's JSON names them 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from jscaler.ir.annotation import Annotation
@@ -55,7 +56,10 @@ class PlanGraph:
         return op_id in self._by_id
 
 
-def _bound(rank_shape, n_inputs) -> Annotation:
+@functools.lru_cache(maxsize=4096)
+def _bound(rank_shape: tuple[int, ...], n_inputs: int) -> Annotation:
+    """The elementwise annotation bound to one shape (annotations are immutable: the
+    same object serves every parameter of that shape, in every plan graph)."""
     ann = elementwise_annotation(len(rank_shape), n_inputs)
     return ann.bind([rank_shape] * n_inputs, [rank_shape])
 
@@ -90,26 +94,34 @@ def augment(base: Graph, identities: tuple[int, ...]) -> PlanGraph:
     ops = list(base.ops)
     outputs = list(base.outputs)
     identity_of = {}
+    users: dict[int, list[int]] = {}  # tensor -> positions of the base ops reading it
+    for i, o in enumerate(ops):
+        for x in dict.fromkeys(o.tensor_inputs):
+            users.setdefault(x, []).append(i)
+    before: dict[int, list[Op]] = {}  # base position -> identities inserted before it
+    tail: list[Op] = []
     for t in identities:
         src = tensors[t]
         new = Tensor(next_tensor, src.shape, src.dtype, "value", src.name)
         tensors[new.id] = new
         next_tensor += 1
-        consumers = [i for i, o in enumerate(ops) if t in o.tensor_inputs]
-        at = consumers[0] if consumers else len(ops)
-        producer = next((o for o in ops if t in o.outputs), None)
+        consumers = users.get(t, [])
+        producer = next((o for o in ops if t in o.outputs), None) if not consumers else None
         # named after its first consumer: a stored parameter is gathered for that module
-        path = ops[at].path if consumers else producer.path if producer is not None else ""
+        path = ops[consumers[0]].path if consumers else producer.path if producer else ""
         ident = Op(
             next_op, "identity", (t,), (new.id,), path, _bound(src.shape, 1), 0.0, "identity"
         )
         identity_of[t] = next_op
         next_op += 1
         for i in consumers:
-            o = ops[i]
-            ops[i] = _rewire(o, t, new.id)
-        ops.insert(at, ident)
+            ops[i] = _rewire(ops[i], t, new.id)
+        if consumers:
+            before.setdefault(consumers[0], []).append(ident)
+        else:
+            tail.append(ident)
         outputs = [new.id if (not isinstance(x, Literal) and x == t) else x for x in outputs]
+    ops = [x for i, o in enumerate(ops) for x in (*before.get(i, ()), o)] + tail
     graph = Graph(tensors, tuple(ops), base.inputs, tuple(outputs), base.consts, base.signature)
     return PlanGraph(graph, tuple(grad_ops), tuple(update_ops), identity_of)
 
