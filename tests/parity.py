@@ -23,7 +23,10 @@ def reference(model_name: str):
     return reference_steps(spec.init(0), spec.loss, optax.sgd(LR), batches(spec))
 
 
-def run_plan(model_name: str, plan, *, devices=8, microbatches=1, steps=STEPS):
+def run_plan(model_name: str, plan, *, devices=8, microbatches=1, schedule=None, steps=STEPS):
+    """Trains ``steps`` SGD steps under ``plan`` (a pipeline plan: with ``microbatches``
+    and ``schedule``, default the plan's own or 1F1B); returns (trainer, per-step
+    results)."""
     spec = models.get(model_name)
     trainer = jscaler.parallelize(
         spec.init(0),
@@ -33,6 +36,7 @@ def run_plan(model_name: str, plan, *, devices=8, microbatches=1, steps=STEPS):
         devices=devices,
         plan=plan,
         microbatches=microbatches,
+        schedule=schedule,
     )
     return trainer, trainer_steps(trainer, batches(spec, steps))
 

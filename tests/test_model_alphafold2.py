@@ -14,19 +14,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import jscaler
 import models
 from jscaler.plan.pipeline import pass_of_ops
-from jscaler.runtime.reference import compare, trainer_steps
 from models import alphafold2 as af
 from schedules import three_f_one_b
 from spaces import dp, megatron, zero
 
-from parity import LR, assert_parity, batches, reference
+from parity import assert_parity, reference
 
 NAME = "alphafold2-tiny"
 BLOCKS = [f"evoformer/{i}" for i in range(af.tiny().n_blocks)]
@@ -280,21 +278,7 @@ PIPELINES = {  # name -> (plan, micro-batches)
 @functools.cache
 def pipelined(name):
     make, m = PIPELINES[name]
-    spec = models.get(NAME)
-    trainer = jscaler.parallelize(
-        spec.init(0),
-        spec.loss,
-        optax.sgd(LR),
-        spec.batch(spec.batch_size, 0),
-        devices=8,
-        plan=make(),
-        microbatches=m,
-        schedule=three_f_one_b,
-    )
-    got = trainer_steps(trainer, batches(spec))
-    mm = compare(got, reference(NAME)[: len(got)])
-    assert mm.ok, "\n".join(mm.lines[:10])
-    return trainer
+    return assert_parity(NAME, make(), microbatches=m, schedule=three_f_one_b)
 
 
 @pytest.mark.parametrize(

@@ -11,18 +11,16 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import jscaler
 import models
-from jscaler.runtime.reference import compare, trainer_steps
 from models import t5
 from schedules import one_f_one_b
 from spaces import dp, megatron, zero
 
-from parity import LR, assert_parity, batches, reference
+from parity import assert_parity
 
 NAME = "t5-tiny"
 
@@ -200,21 +198,7 @@ def test_plan_matches_one_device(plan):
 
 
 def assert_pipeline_parity(model_name, plan, schedule, m):
-    spec = models.get(model_name)
-    trainer = jscaler.parallelize(
-        spec.init(0),
-        spec.loss,
-        optax.sgd(LR),
-        spec.batch(spec.batch_size, 0),
-        devices=8,
-        plan=plan,
-        microbatches=m,
-        schedule=schedule,
-    )
-    got = trainer_steps(trainer, batches(spec))
-    mm = compare(got, reference(model_name)[: len(got)])
-    assert mm.ok, "\n".join(mm.lines[:10])
-    return trainer
+    return assert_parity(model_name, plan, microbatches=m, schedule=schedule)
 
 
 def test_one_f_one_b_pipeline_matches_one_device():

@@ -5,30 +5,13 @@ import pytest
 
 import jscaler
 import models
-from jscaler.runtime.reference import compare, trainer_steps
 from spaces import SPACES, alphafold_3f1b, coshard, deepspeed, interlaced, megatron_3d
 
-from parity import LR, assert_parity, batches, reference
+from parity import assert_parity
 
 
 def pipeline_parity(model_name, plan, m, schedule=None):
-    import optax
-
-    spec = models.get(model_name)
-    trainer = jscaler.parallelize(
-        spec.init(0),
-        spec.loss,
-        optax.sgd(LR),
-        spec.batch(spec.batch_size, 0),
-        devices=8,
-        plan=plan,
-        microbatches=m,
-        schedule=schedule,
-    )
-    got = trainer_steps(trainer, batches(spec))
-    mm = compare(got, reference(model_name)[: len(got)])
-    assert mm.ok, "\n".join(mm.lines[:10])
-    return trainer
+    return assert_parity(model_name, plan, microbatches=m, schedule=schedule)
 
 
 def test_deepspeed_is_zero3_over_dp_on_megatron_tp():

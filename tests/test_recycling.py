@@ -17,12 +17,11 @@ import jscaler
 import models
 from jscaler.errors import PlanError
 from jscaler.plan.pipeline import pass_of_ops
-from jscaler.runtime.reference import compare, trainer_steps
 from models import recycler
 from schedules import one_f_one_b, table7_3f1b, three_f_one_b
 from spaces import megatron
 
-from parity import LR, batches, reference
+from parity import LR, assert_parity
 
 CASES = [
     ("megatron(pp=2)", 2),  # dp=4 inside each stage
@@ -33,21 +32,7 @@ CASES = [
 
 @functools.cache
 def trained(expr, m, schedule=three_f_one_b):
-    spec = models.get("recycler-tiny")
-    trainer = jscaler.parallelize(
-        spec.init(0),
-        spec.loss,
-        optax.sgd(LR),
-        spec.batch(spec.batch_size, 0),
-        devices=8,
-        plan=eval(expr),
-        microbatches=m,
-        schedule=schedule,
-    )
-    got = trainer_steps(trainer, batches(spec))
-    mm = compare(got, reference("recycler-tiny")[: len(got)])
-    assert mm.ok, "\n".join(mm.lines[:10])
-    return trainer
+    return assert_parity("recycler-tiny", eval(expr), microbatches=m, schedule=schedule)
 
 
 @pytest.mark.parametrize(
@@ -145,7 +130,5 @@ def test_zero3_prefetch_leaves_recycled_layers_alone():
     # a layer's ops in every pass form one Graph.layers() entry; prefetching its gathers
     # at the first pass would read values of later passes
     from spaces import zero
-
-    from parity import assert_parity
 
     assert_parity("recycler-tiny", zero(stage=3))
