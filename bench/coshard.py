@@ -19,6 +19,7 @@ import jax
 import optax
 
 from bench.spmd import measure
+from bench.table import columns
 
 
 @dataclass
@@ -87,19 +88,7 @@ def table(spec, rows: list[Row], skipped=()) -> str:
         ]
         for r in rows
     ]
-    widths = [max(len(c), *(len(d[i]) for d in data)) for i, c in enumerate(cols)]
-    lines = [head, ""]
-    lines.append(
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths))
-        )
-    )
-    for d in data:
-        lines.append(
-            "  ".join(
-                x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(d, widths))
-            )
-        )
+    lines = [head, "", *columns(cols, data)]
     lines.append("")
     lines += _fits(rows, plain)
     lines += list(skipped)

@@ -36,6 +36,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bench.table import columns
+
 BUBBLE_CASES = ((4, 4), (4, 8), (4, 16))
 MPMD_SCHEDULES = ("gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble")
 
@@ -228,18 +230,6 @@ def run(
     return spec, bubbles, rows, skipped
 
 
-def _columns(cols: list[str], data: list[list[str]], left: int = 1) -> list[str]:
-    """Aligned rows: the first ``left`` columns flush left, the rest flush right."""
-    widths = [max(len(x) for x in col) for col in zip(cols, *data)]
-    fmt = lambda row: "  ".join(  # noqa: E731
-        c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-    )
-    lines = [fmt(cols)]
-    lines.append("-" * len(lines[-1]))
-    lines.extend(fmt(d) for d in data)
-    return lines
-
-
 def bubble_table(rows: list[BubbleRow]) -> str:
     lines = ["simulated bubble (unit costs F=1, B=2; B=W=1 when split) vs (p-1)/(m+p-1)", ""]
     data = [
@@ -253,7 +243,7 @@ def bubble_table(rows: list[BubbleRow]) -> str:
         ]
         for r in rows
     ]
-    lines += _columns(["schedule", "p", "m", "simulated", "formula", "ratio"], data)
+    lines += columns(["schedule", "p", "m", "simulated", "formula", "ratio"], data)
     return "\n".join(lines)
 
 
@@ -277,7 +267,7 @@ def step_table(spec, rows: list[StepRow], n_devices: int, pp: int, skipped=()) -
         for r in rows
     ]
     cols = ["runtime", "schedule", "m", "first loss", "grad norm", "warm-up s", "step ms"]
-    lines = [head, ""] + _columns([*cols, "step/spmd"], data, left=2)
+    lines = [head, ""] + columns([*cols, "step/spmd"], data, left=2)
     losses = [r.loss for r in rows]
     spread = max(losses) - min(losses)
     same = np.allclose(losses, base.loss, rtol=1e-5, atol=0)

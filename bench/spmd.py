@@ -20,6 +20,7 @@ import jax
 import optax
 
 from bench.plain_jax import plain_dp, plain_rules
+from bench.table import columns
 from jscaler.compile.hlo import collectives, summarize
 
 
@@ -145,11 +146,5 @@ def table(spec, rows: list[Row], n_devices: int) -> str:
                 f"{r.memory / base_dp.memory:.2f}",
             ]
         )
-    widths = [max(len(x) for x in col) for col in zip(cols, *data)]
-    fmt = lambda row: "  ".join(  # noqa: E731
-        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-    )
-    lines.append(fmt(cols))
-    lines.append("-" * len(lines[-1]))
-    lines.extend(fmt(d) for d in data)
+    lines.extend(columns(cols, data))
     return "\n".join(lines)

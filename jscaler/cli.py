@@ -456,9 +456,16 @@ def _bench_coshard(args) -> int:
     from bench import coshard
 
     n = args.devices or 8
-    plans = (
-        {expr: (parse_plan(expr).tp, parse_plan(expr)) for expr in args.plan} if args.plan else None
-    )
+    plans = None
+    if args.plan:  # each plan runs on its own tp devices
+        from jscaler.errors import PlanError
+
+        plans = {}
+        for expr in args.plan:
+            space = parse_plan(expr)
+            if not isinstance(getattr(space, "tp", None), int):
+                raise PlanError(f"--plan {expr!r}: bench coshard compares plans with a tp degree")
+            plans[expr] = (space.tp, space)
     spec, rows, skipped = coshard.run(args.model or "swin-bench", n, steps=args.steps, plans=plans)
     if args.json:
         print(json.dumps([r.__dict__ for r in rows], indent=1))

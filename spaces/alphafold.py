@@ -15,7 +15,7 @@ between them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jscaler
 from schedules.three_f_one_b import three_f_one_b
@@ -38,15 +38,10 @@ class AlphaFold3F1B:
                 f"alphafold_3f1b(pp={self.pp}) needs a device count divisible by pp; "
                 f"got {n_devices}"
             )
-        size = n_devices // self.pp
-        inner = megatron(tp=self.tp, dp=self.dp)
-        plan = pipeline(graph, inner, self.pp, n_devices)
-        dp = size // self.tp
-        return jscaler.PipelinePlan(
-            plan.groups,
-            name=f"alphafold_3f1b(pp={self.pp}, tp={self.tp}, dp={dp})",
-            schedule=three_f_one_b,
-        )
+        plan = pipeline(graph, megatron(tp=self.tp, dp=self.dp), self.pp, n_devices)
+        dp = plan.groups[0].plan.mesh.shape["dp"]
+        name = f"alphafold_3f1b(pp={self.pp}, tp={self.tp}, dp={dp})"
+        return replace(plan, name=name, schedule=three_f_one_b)
 
 
 def alphafold_3f1b(pp: int = 2, tp: int = 1, dp: int | None = None) -> AlphaFold3F1B:

@@ -19,7 +19,7 @@ plan on its own devices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jscaler
 from jscaler.plan import DimClasses, Plan, op_trans, recompute_layers
@@ -46,10 +46,7 @@ class Coshard:
                 raise jscaler.PlanError(
                     f"coshard(pp={self.pp}) needs a device count divisible by pp; got {n_devices}"
                 )
-            inner = Coshard(
-                self.tp, self.colocate, None, 1, self.layers, self.recompute, self.precision
-            )
-            return pipeline(graph, inner, self.pp, n_devices)
+            return pipeline(graph, replace(self, dp=None, pp=1), self.pp, n_devices)
         base = Megatron(self.tp, self.dp, precision=self.precision)(graph, n_devices)
         dp = base.mesh.shape["dp"]
         plan = base.evolve(name=f"coshard(tp={self.tp}, colocate={self.colocate}, dp={dp})")

@@ -24,8 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from jscaler.errors import ScheduleError
+from jscaler.plan.cycles import find_cycle
 from jscaler.plan.schedule import Block, Schedule, block_deps, required_blocks
-from jscaler.plan.timeline import UNIT
+from jscaler.plan.timeline import occupies, unit_costs
 
 __all__ = ["order_schedule"]
 
@@ -69,9 +70,9 @@ def order_schedule(
     blocks = required_blocks(stages, microbatches, passes, split_backward)
     before = _constraints(name, rules, stages, microbatches, blocks, placement)
     preds = {b: set(block_deps(b, stages, passes)) | before.get(b, set()) for b in blocks}
-    _acyclic(name, blocks, preds, before)
+    _acyclic(name, preds, before)
 
-    cost = dict(UNIT, B=1.0) if split_backward else UNIT
+    cost = unit_costs(split_backward)
     todo = [
         sorted((b for b in blocks if placement[b.stage] == g), key=priority)
         for g in range(n_groups)
@@ -83,8 +84,8 @@ def order_schedule(
     while any(todo):
         progressed = False
         for g in range(n_groups):
-            busy = range(n_groups) if g in whole else [g, *whole]
-            if any(free[k] > t for k in busy):
+            waits, holds = occupies(g, n_groups, whole)
+            if any(free[k] > t for k in waits):
                 continue
             ready = next(
                 (b for b in todo[g] if all(end.get(p, t + 1) <= t for p in preds[b])), None
@@ -94,7 +95,7 @@ def order_schedule(
             todo[g].remove(ready)
             groups[g].append(ready)
             end[ready] = t + cost[ready.kind]
-            for k in range(n_groups) if g in whole else [g]:
+            for k in holds:
                 free[k] = end[ready]
             progressed = True
         if not progressed:
@@ -138,35 +139,20 @@ def _constraints(name, rules, stages, microbatches, blocks, placement) -> dict:
     return before
 
 
-def _acyclic(name, blocks, preds, before) -> None:
+def _acyclic(name, preds, before) -> None:
     """Raises naming a cycle of constraints and data dependencies, if there is one."""
-    state: dict[Block, int] = {}  # 1: on the stack, 2: done
-    for root in sorted(blocks):
-        if root in state:
-            continue
-        stack = [(root, iter(sorted(preds[root])))]
-        path = [root]
-        state[root] = 1
-        while stack:
-            node, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
-                state[node] = 2
-                stack.pop()
-                path.pop()
-                continue
-            if state.get(nxt) == 1:
-                cycle = path[path.index(nxt) :] + [nxt]
-                steps = [
-                    f"{cycle[k + 1]} -> {cycle[k]}"
-                    + (" (order)" if cycle[k + 1] in before.get(cycle[k], ()) else " (data)")
-                    for k in range(len(cycle) - 1)
-                ]
-                raise ScheduleError(
-                    f"order_schedule {name!r}: the order constraints contradict each other or "
-                    f"the data flow: {'; '.join(reversed(steps))}"
-                )
-            if nxt not in state:
-                state[nxt] = 1
-                path.append(nxt)
-                stack.append((nxt, iter(sorted(preds[nxt]))))
+    succ: dict[Block, set[Block]] = {b: set() for b in preds}
+    for b, ps in preds.items():
+        for p in ps:
+            succ[p].add(b)
+    cycle = find_cycle(succ, key=lambda b: b)
+    if cycle is None:
+        return
+    steps = [
+        f"{a} -> {b}" + (" (order)" if a in before.get(b, ()) else " (data)")
+        for a, b in zip(cycle, cycle[1:])
+    ]
+    raise ScheduleError(
+        f"order_schedule {name!r}: the order constraints contradict each other or the data "
+        f"flow: {'; '.join(steps)}"
+    )

@@ -53,19 +53,31 @@ class Timeline:
         return self.schedule.placement[b.stage]
 
 
+def occupies(group: int, n_groups: int, whole) -> tuple[list[int], list[int]]:
+    """The groups a block of ``group`` waits to be free, and those it then keeps busy: an
+    all-device group (in ``whole``) waits for every device and holds them all; any other
+    group waits for itself and the all-device groups, and holds itself."""
+    if group in whole:
+        return list(range(n_groups)), list(range(n_groups))
+    return [group, *whole], [group]
+
+
+def unit_costs(split_backward: bool) -> dict[str, float]:
+    """Duration per block kind: F = 1, B = 2 (B = W = 1 when the backward is split), R = 1."""
+    return dict(UNIT, B=1.0) if split_backward else UNIT
+
+
 def simulate(schedule: Schedule, cost=None) -> Timeline:
     """Times every block of a checked schedule (``cost``: kind -> duration)."""
     if cost is None:
-        cost = dict(UNIT, B=1.0) if schedule.split_backward else UNIT
+        cost = unit_costs(schedule.split_backward)
     free = [0.0] * len(schedule.groups)
     spans: dict[Block, tuple[float, float]] = {}
     for rnd in schedule.order():
         for b in rnd:
-            g = schedule.placement[b.stage]
-            # an all-device group waits for every device, and holds them all
-            busy = range(len(free)) if g in schedule.whole else [g, *schedule.whole]
-            start = max([*(free[k] for k in busy), *(spans[d][1] for d in schedule.deps(b))])
+            waits, holds = occupies(schedule.placement[b.stage], len(free), schedule.whole)
+            start = max([*(free[k] for k in waits), *(spans[d][1] for d in schedule.deps(b))])
             spans[b] = (start, start + cost[b.kind])
-            for k in range(len(free)) if g in schedule.whole else [g]:
+            for k in holds:
                 free[k] = start + cost[b.kind]
     return Timeline(schedule, spans)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from jscaler.errors import AssignmentError, CoverageError, CycleError, PlanError, SplitError
 from jscaler.ir.graph import Literal
 from jscaler.ir.vtensor import Mask, uncovered
+from jscaler.plan.cycles import find_cycle
 from jscaler.plan.pieces import op_pieces
 from jscaler.plan.plan import Node, Plan, SubOp
 from jscaler.plan.primitives import _split_problem
@@ -118,7 +119,7 @@ def _check_coverage(plan: Plan) -> None:
 
 
 def _check_cycles(plan: Plan) -> None:
-    """Kahn's algorithm over sub-ops: data edges from intersecting masks, plus op_order."""
+    """Sub-ops with data edges from intersecting masks, plus op_order: no cycle."""
     g = plan.pgraph.graph
     pieces = {o.id: op_pieces(plan, o) for o in g.ops}
     producer = {t: o for o in g.ops for t in o.outputs}
@@ -138,23 +139,9 @@ def _check_cycles(plan: Plan) -> None:
             for sb in _leaves_under(plan, b):
                 succ.setdefault(sa, set()).add(sb)
                 succ.setdefault(sb, set())
-    indeg = {s: 0 for s in succ}
-    for s in succ:
-        for t in succ[s]:
-            indeg[t] += 1
-    ready = [s for s, d in indeg.items() if d == 0]
-    seen = 0
-    while ready:
-        s = ready.pop()
-        seen += 1
-        for t in succ[s]:
-            indeg[t] -= 1
-            if indeg[t] == 0:
-                ready.append(t)
-    if seen == len(succ):
+    cycle = find_cycle(succ, key=lambda s: (s.op, s.path))
+    if cycle is None:
         return
-    stuck = {s for s, d in indeg.items() if d > 0}
-    cycle = _find_cycle(succ, stuck)
     names = " -> ".join(f"{plan.pgraph.op(s.op).path or '<root>'} (sub-op {s})" for s in cycle)
     raise CycleError(
         f"data dependencies and op_order constraints form a cycle: {names}. Remove or flip "
@@ -165,21 +152,3 @@ def _check_cycles(plan: Plan) -> None:
 def _leaves_under(plan: Plan, s: SubOp):
     node = plan.tree(s.op).at(s.path)
     return [SubOp(s.op, s.path + p) for p, _ in node.leaves()]
-
-
-def _find_cycle(succ, stuck):
-    """A cycle among the stuck sub-ops: each has a stuck predecessor, so walk backwards."""
-    pred: dict = {s: [] for s in stuck}
-    for s in stuck:
-        for t in succ[s]:
-            if t in stuck:
-                pred[t].append(s)
-    node = min(stuck, key=lambda s: (s.op, s.path))
-    path, index = [node], {node: 0}
-    while True:
-        node = min(pred[node], key=lambda s: (s.op, s.path))
-        if node in index:
-            cycle = path[index[node] :] + [node]
-            return cycle[::-1]
-        index[node] = len(path)
-        path.append(node)

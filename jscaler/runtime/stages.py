@@ -136,19 +136,28 @@ def build_stages(
     n = len(placement)
     pass_of = pass_of or {}
     n_passes = max(pass_of.values(), default=0) + 1
+    where: dict[int, dict[int, tuple[int, int]]] = {}  # group -> op id -> (stage, pass)
     stages = []
     for k in range(n_passes):
         for s in range(n):
-            low = lowered[placement[s]]
+            gi = placement[s]
+            low = lowered[gi]
             g = low.plan.pgraph.graph
-            ops = [o for o in g.ops if _place(o, g, stage_of, pass_of) == (s, k)]
-            stages.append((k * n + s, placement[s], low, ops))
+            if gi not in where:
+                where[gi] = {o.id: _place(o, g, stage_of, pass_of) for o in g.ops}
+            ops = [o for o in g.ops if where[gi][o.id] == (s, k)]
+            stages.append((k * n + s, gi, low, ops))
     produced_in: dict[int, int] = {}
     for i, _, _, ops in stages:
         for o in ops:
             produced_in.update({t: i for t in o.outputs})
     reads = {
         i: list(dict.fromkeys(x for o in ops for x in o.tensor_inputs)) for i, *_, ops in stages
+    }
+    # every pass of a stage takes the same parameters and state: what any of them reads
+    stage_reads = {
+        s: list(dict.fromkeys(x for j in range(s, len(stages), n) for x in reads[j]))
+        for s in range(n)
     }
     out = []
     for i, gi, low, ops in stages:
@@ -157,8 +166,6 @@ def build_stages(
         _check_regions(low, ops, s)
         roles = {t: g.tensors[t].role for t in g.inputs}
         read = reads[i]
-        # every pass of a stage takes the same parameters, the union of what they read
-        read_by_stage = [x for j in range(s, len(stages), n) for x in reads[j]]
         mine = {t for o in ops for t in o.outputs}
         outer = [x for x in read if x in produced_in and x not in mine]
         for x in outer:
@@ -174,8 +181,8 @@ def build_stages(
                 group=gi,
                 low=low,
                 ops=ops,
-                params=[x for x in dict.fromkeys(read_by_stage) if roles.get(x) == "param"],
-                state=[x for x in dict.fromkeys(read_by_stage) if roles.get(x) == "state"],
+                params=[x for x in stage_reads[s] if roles.get(x) == "param"],
+                state=[x for x in stage_reads[s] if roles.get(x) == "state"],
                 batch=[x for x in read if roles.get(x) == "batch"],
                 acts_in=[x for x in outer if produced_in[x] // n == k],
                 acts_out=[],
