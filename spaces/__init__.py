@@ -7,6 +7,7 @@ command line accepts (``--plan "megatron(tp=2, dp=4)"``) to the functions making
 from spaces.alphafold import alphafold_3f1b
 from spaces.baselines import deepspeed, megatron_3d
 from spaces.coshard import coshard
+from spaces.dap import dap
 from spaces.dp import dp
 from spaces.interlaced import interlaced
 from spaces.megatron import megatron
@@ -16,6 +17,7 @@ from spaces.zero import zero
 SPACES = {
     "alphafold_3f1b": alphafold_3f1b,
     "coshard": coshard,
+    "dap": dap,
     "deepspeed": deepspeed,
     "dp": dp,
     "interlaced": interlaced,
@@ -31,6 +33,7 @@ __all__ = [
     "SPACES",
     "alphafold_3f1b",
     "coshard",
+    "dap",
     "deepspeed",
     "dp",
     "interlaced",

@@ -6,11 +6,12 @@ through all stages (the first stage waiting for the last between passes); the 3F
 schedule interleaves the passes of consecutive micro-batches so every stage stays busy,
 at 1F1B's activation memory (only the last pass keeps activations).
 
-``alphafold_3f1b(pp, tp, dp)`` cuts the Evoformer blocks evenly into ``pp`` stages on
-disjoint device groups, each group running ``megatron(tp, dp)`` (tensor parallelism over
-attention heads and transition features inside a stage), and names ``three_f_one_b`` as
-the plan's schedule. The passes are found in the traced graph by the ``stop_gradient``s
-between them.
+``alphafold_3f1b(pp, tp, dp, dap)`` cuts the Evoformer blocks evenly into ``pp`` stages
+on disjoint device groups, each group running ``megatron(tp, dp)`` (tensor parallelism
+over attention heads and transition features inside a stage) or, with ``dap`` > 1,
+``dap(dap, dp)`` (dynamic axial parallelism: the MSA and pair representations split along
+one of their axes, ``spaces.dap``), and names ``three_f_one_b`` as the plan's schedule.
+The passes are found in the traced graph by the ``stop_gradient``s between them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import jscaler
 from schedules.three_f_one_b import three_f_one_b
+from spaces.dap import dap
 from spaces.megatron import megatron, pipeline
 
 
@@ -27,6 +29,7 @@ class AlphaFold3F1B:
     pp: int = 2
     tp: int = 1
     dp: int | None = None
+    dap: int = 1
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> jscaler.PipelinePlan:
         if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 2:
@@ -38,13 +41,20 @@ class AlphaFold3F1B:
                 f"alphafold_3f1b(pp={self.pp}) needs a device count divisible by pp; "
                 f"got {n_devices}"
             )
-        plan = pipeline(graph, megatron(tp=self.tp, dp=self.dp), self.pp, n_devices)
+        if self.dap > 1 and self.tp > 1:
+            raise jscaler.PlanError(
+                f"alphafold_3f1b: tp={self.tp} and dap={self.dap} both split inside a stage; "
+                f"choose one (dap splits the activations, tp the weights)"
+            )
+        inner = dap(self.dap, self.dp) if self.dap > 1 else megatron(tp=self.tp, dp=self.dp)
+        plan = pipeline(graph, inner, self.pp, n_devices)
         dp = plan.groups[0].plan.mesh.shape["dp"]
-        name = f"alphafold_3f1b(pp={self.pp}, tp={self.tp}, dp={dp})"
+        split = f"dap={self.dap}" if self.dap > 1 else f"tp={self.tp}"
+        name = f"alphafold_3f1b(pp={self.pp}, {split}, dp={dp})"
         return replace(plan, name=name, schedule=three_f_one_b)
 
 
-def alphafold_3f1b(pp: int = 2, tp: int = 1, dp: int | None = None) -> AlphaFold3F1B:
-    """``pp`` pipeline stages of Evoformer blocks, each ``megatron(tp, dp)`` on its own
-    devices, scheduled with 3F1B."""
-    return AlphaFold3F1B(pp, tp, dp)
+def alphafold_3f1b(pp: int = 2, tp: int = 1, dp: int | None = None, dap: int = 1) -> AlphaFold3F1B:
+    """``pp`` pipeline stages of Evoformer blocks, each ``megatron(tp, dp)`` (or with
+    ``dap`` > 1, ``dap(dap, dp)``) on its own devices, scheduled with 3F1B."""
+    return AlphaFold3F1B(pp, tp, dp, dap)

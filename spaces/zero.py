@@ -76,9 +76,7 @@ def shard_params(
                 local[a] //= plan.mesh.shape[other]
         dims[p.id] = shard_dim(tuple(local), n)
     if stage >= 3:
-        for t, d in dims.items():
-            if d is not None:
-                plan, _ = op_trans(plan, t, decouple())
+        plan, _ = op_trans(plan, [t for t, d in dims.items() if d is not None], decouple())
     pg = plan.pgraph
     virtual = []
     for t, d in dims.items():

@@ -5,7 +5,8 @@ import pytest
 
 import jscaler
 import models
-from spaces import SPACES, alphafold_3f1b, coshard, deepspeed, interlaced, megatron_3d
+from jscaler.cli import parse_plan
+from spaces import SPACES, alphafold_3f1b, coshard, dap, deepspeed, interlaced, megatron_3d
 
 from parity import assert_parity
 
@@ -46,6 +47,41 @@ def test_coshard_picks_the_activation_heavy_layers():
     assert piped.groups[0].plan.mesh.shape == {"dp": 2, "tp": 2}
 
 
+def test_dap_splits_each_evoformer_module_along_the_axis_it_does_not_update():
+    spec = models.get("alphafold2-tiny")
+    graph = jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+    plan = dap(dap=2)(graph, 8)
+    assert plan.mesh.shape == {"dp": 4, "dap": 2}
+    classes = jscaler.DimClasses(graph)
+    aatype = next(t for t in graph.inputs if graph.tensors[t].name == "batch/aatype")
+    residues = classes.of(aatype, 1)
+    block = graph.layers()[0].graph.ops
+    top = {o.id: plan.tree(o.id).children[1] for o in block}  # the dp split, then dap
+    assert sum(t.algo == "split" for t in top.values()) > 0.8 * len(block)
+    for module, along_residues in (("msa_row_attn", False), ("msa_col_attn", True)):
+        scores = [
+            o
+            for o in block
+            if o.path.endswith(module) and o.primitive == "dot_general"
+            and not any(graph.tensors[x].role == "param" for x in o.tensor_inputs)
+        ]  # fmt: skip
+        assert scores
+        for o in scores:
+            node = plan.tree(o.id).children[0]
+            assert node.algo == "split"
+            assert (classes.dim_of(o, residues) == node.dim) == along_residues, o.where
+    with pytest.raises(jscaler.PlanError, match="no repeated layers"):
+        dap(dap=2)(jscaler.trace(lambda p, b: (p["w"] * b["x"]).sum(), *_toy()), 8)
+    with pytest.raises(jscaler.PlanError, match="tp=2 and dap=2"):
+        alphafold_3f1b(tp=2, dap=2)(graph, 8)
+
+
+def _toy():
+    import jax.numpy as jnp
+
+    return {"w": jnp.ones((4, 4, 4))}, {"x": jnp.ones((8, 4, 4, 4))}
+
+
 def test_bare_names_and_bad_degrees():
     for name in ("alphafold_3f1b", "coshard", "deepspeed", "megatron_3d"):
         assert callable(SPACES[name]())
@@ -68,8 +104,10 @@ MODEL_SPACES = [
     ("alphafold2-tiny", "alphafold_3f1b"),
     ("alphafold2-tiny", "megatron_3d"),
     ("alphafold2-tiny", "deepspeed"),
+    ("alphafold2-tiny", "alphafold_3f1b(pp=2, dap=2)"),
 ]
 SLOW = {
+    ("alphafold2-tiny", "alphafold_3f1b(pp=2, dap=2)"),
     ("alphafold2-tiny", "megatron_3d"),
     ("alphafold2-tiny", "deepspeed"),
     ("swin-tiny", "deepspeed"),
@@ -81,9 +119,8 @@ SLOW = {
     [pytest.param(*c, marks=[pytest.mark.slow] if c in SLOW else []) for c in MODEL_SPACES],
 )
 def test_reference_model_under_space_matches_one_device(model_name, space):
-    plan = SPACES[space]()
-    piped = space in ("interlaced", "alphafold_3f1b") or getattr(plan, "pp", 1) > 1
-    if piped:
+    plan = parse_plan(space)  # a bare name: the space's defaults for 8 devices
+    if getattr(plan, "pp", 1) > 1:  # a pipeline: 2 micro-batches
         trainer = pipeline_parity(model_name, plan, 2)
         assert isinstance(trainer.plan, jscaler.PipelinePlan)
     else:

@@ -18,7 +18,7 @@ from jscaler import (
     replicate,
     split,
 )
-from jscaler.plan import assign_mesh, split_classes
+from jscaler.plan import assign_mesh, split_classes, split_ops
 
 from parity import assert_parity, leaves
 
@@ -239,3 +239,50 @@ def test_megatron_names_the_op_it_cannot_split():
         jscaler.parallelize(
             params, loss, optax.sgd(0.1), jnp.ones((8, 32)), devices=8, plan=megatron(tp=8, dp=1)
         )
+
+
+def test_bulk_helpers_equal_the_primitives_one_op_at_a_time():
+    g = traced("gpt-tiny")
+    plan = Plan.create(g, MeshSpec.create(dp=2, tp=4))
+    classes = jscaler.DimClasses(g)
+    seed = batch_axis(g)
+    one = plan
+    for op in g.ops:  # the primitives, op by op
+        dim = classes.dim_of(op, classes.of(*seed))
+        for sub in one.sub_ops(op.id):
+            one, _ = op_trans(one, sub, split(dim) if dim else replicate(), 2)
+    bulk = split_classes(plan, [seed], 2, classes=classes)
+    assert bulk == one
+    dims = {op.id: classes.dim_of(op, classes.of(*seed)) for op in g.ops}
+    assert split_ops(plan, dims, 2) == one
+    # a dim that does not split n ways falls back to the next candidate, then replicates
+    head, n, small, fine = next(
+        (o, n, a, b)
+        for o in g.ops
+        if o.annotation
+        for n in (3, 4, 5, 6, 8)
+        for a in o.annotation.splittable()
+        for b in o.annotation.splittable()
+        if o.annotation.sizes[a] % n and o.annotation.sizes[b] % n == 0
+        and o.annotation.kinds[b] == ""
+    )  # fmt: skip
+    leaf = split_ops(plan, {head.id: [small, fine]}, n).tree(head.id)
+    assert (leaf.algo, leaf.dim) == ("split", fine)
+    assert split_ops(plan, {head.id: [small]}, n).tree(head.id).algo == "replicate"
+    with pytest.raises(jscaler.PlanError, match="no op 999999"):
+        split_ops(plan, {999999: None}, 2)
+    placed = assign_mesh(split_ops(one, {o.id: None for o in g.ops}, 4), ["dp", "tp"])
+    for op in g.ops:
+        for sub in one.sub_ops(op.id):
+            for k in range(4):
+                dev = plan.mesh.device_at({"dp": sub.path[0], "tp": k})
+                assert placed.tree(op.id).at(sub.path + (k,)).device == dev
+    # decouple many tensors at once: one identity each, as one at a time
+    params = [p.id for p in g.params()][:3]
+    many, subs = op_trans(plan, params, decouple())
+    single = plan
+    for p in params:
+        single, _ = op_trans(single, p, decouple())
+    assert many == single and [s.op for s in subs] == [many.pgraph.identity_of[p] for p in params]
+    with pytest.raises(jscaler.PlanError, match="already decoupled"):
+        op_trans(plan, [params[0], params[0]], decouple())

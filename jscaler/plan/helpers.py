@@ -7,21 +7,20 @@ These helpers are the common moves, built from ``op_trans`` and ``op_assign`` on
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
 
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph, Op
 from jscaler.plan.classes import DimClasses
 from jscaler.plan.mesh import MeshSpec
-from jscaler.plan.plan import Plan, SubOp
+from jscaler.plan.plan import Node, Plan, SubOp
 from jscaler.plan.primitives import (
+    _pieces,
+    _placed,
     _split_problem,
-    op_assign,
     op_trans,
     recompute,
-    replicate,
-    split,
 )
 
 __all__ = [
@@ -30,6 +29,7 @@ __all__ = [
     "data_parallel",
     "recompute_layers",
     "split_classes",
+    "split_ops",
 ]
 
 
@@ -72,19 +72,35 @@ def split_classes(
     """
     classes = classes or DimClasses(plan.pgraph.graph)
     roots = [classes.of(*s) for s in seeds]
-    for op in list(ops if ops is not None else plan.pgraph.graph.ops):
-        for sub in plan.sub_ops(op.id):
-            dim = None
-            for r in roots:
-                d = classes.dim_of(op, r)
-                tree = plan.tree(op.id)
-                if d is not None and not _split_problem(op, tree, sub.path, d, n):
-                    if choose is None or choose(op, d):
-                        dim = d
-                        break
-            algo = split(dim) if dim else replicate()
-            plan, _ = op_trans(plan, sub, algo, n)
-    return plan
+
+    def dim_for(op):
+        dims = (classes.dim_of(op, r) for r in roots)
+        return [d for d in dims if d is not None and (choose is None or choose(op, d))]
+
+    targets = ops if ops is not None else plan.pgraph.graph.ops
+    return split_ops(plan, {op.id: dim_for(op) for op in targets}, n)
+
+
+def split_ops(plan: Plan, dims: Mapping[int, str | Sequence[str] | None], n: int) -> Plan:
+    """``op_trans`` of many ops at once: every leaf of op ``i`` splits n ways along
+    ``dims[i]`` (a dim name, or candidates in order: the first it can split n ways), and
+    replicates n ways when it has none. One new plan for all (the primitives one op at a
+    time copy the plan per call: quadratic on graphs of thousands of ops)."""
+    trees = dict(plan.trees)
+    pg = plan.pgraph
+    for op_id, want in dims.items():
+        if not pg.has(op_id):
+            raise PlanError(f"split_ops: no op {op_id} in this plan's graph")
+        op = pg.op(op_id)
+        wanted = [want] if isinstance(want, str) else list(want or ())
+        tree = trees.get(op_id, Node())
+        for path, _ in list(tree.leaves()):
+            dim = next((d for d in wanted if not _split_problem(op, tree, path, d, n)), None)
+            tree = tree.replace(
+                path, _pieces("split", dim, n) if dim else _pieces("replicate", None, n)
+            )
+        trees[op_id] = tree
+    return plan.evolve(trees=trees)
 
 
 def assign_mesh(plan: Plan, levels: Sequence[str], *, ops: Iterable[Op] | None = None) -> Plan:
@@ -96,16 +112,18 @@ def assign_mesh(plan: Plan, levels: Sequence[str], *, ops: Iterable[Op] | None =
         if name not in sizes:
             raise PlanError(f"assign_mesh: mesh {mesh} has no axis {name!r}")
     targets = list(ops) if ops is not None else list(plan.pgraph.graph.ops)
+    trees = dict(plan.trees)
     for op in targets:
-        for sub in plan.sub_ops(op.id):
-            if len(sub.path) != len(levels):
+        tree = trees.get(op.id, Node())
+        for path, _ in list(tree.leaves()):
+            if len(path) != len(levels):
                 raise PlanError(
-                    f"assign_mesh: sub-op {sub} of {op.where} is {len(sub.path)} levels deep; "
-                    f"expected one level per mesh axis {list(levels)}"
+                    f"assign_mesh: sub-op {SubOp(op.id, path)} of {op.where} is {len(path)} "
+                    f"levels deep; expected one level per mesh axis {list(levels)}"
                 )
-            coords = dict(zip(levels, sub.path))
-            plan = op_assign(plan, SubOp(sub.op, sub.path), mesh.device_at(coords))
-    return plan
+            tree = tree.replace(path, _placed([mesh.device_at(dict(zip(levels, path)))]))
+        trees[op.id] = tree
+    return plan.evolve(trees=trees)
 
 
 def recompute_layers(plan: Plan, fraction) -> Plan:

@@ -75,7 +75,8 @@ def recompute() -> Algorithm:
 
 def decouple() -> Algorithm:
     """Insert an identity between a tensor and its consumers, so the tensor (e.g. a
-    parameter's storage) can be laid out apart from how its consumers need it."""
+    parameter's storage) can be laid out apart from how its consumers need it. The
+    target is a tensor id (or Tensor), or a list of them (one identity each)."""
     return Algorithm("decouple")
 
 
@@ -145,20 +146,20 @@ def op_trans(plan: Plan, target, algo: Algorithm, n: int = 1) -> tuple[Plan, tup
         op = plan.pgraph.op(sub.op)
         tree = trees.get(sub.op, Node())
         if algo.kind == "replicate":
-            node = Node("replicate", None, tuple(Node() for _ in range(n)))
+            node = _pieces("replicate", None, n)
         else:
             dim = algo.dim if classes is None else classes.dim_of(op, cls)
             problem = _split_problem(op, tree, sub.path, dim, n)
             if problem and not lenient:
                 raise SplitError(problem)
-            node = (
-                Node("replicate", None, tuple(Node() for _ in range(n)))
-                if problem
-                else Node("split", dim, tuple(Node() for _ in range(n)))
-            )
+            node = _pieces("replicate", None, n) if problem else _pieces("split", dim, n)
         trees[sub.op] = tree.replace(sub.path, node)
         made.extend(SubOp(sub.op, sub.path + (i,)) for i in range(n))
     return plan.evolve(trees=trees), tuple(made)
+
+
+def _pieces(algo: str, dim, n: int) -> Node:
+    return Node(algo, dim, tuple(Node() for _ in range(n)))
 
 
 def _target_ops(plan: Plan, target) -> list[SubOp]:
@@ -253,13 +254,15 @@ def _coshard(plan: Plan, target, dim, colocate: int, n: int) -> tuple[Plan, tupl
 
 
 def _decouple(plan: Plan, target) -> tuple[Plan, tuple[SubOp, ...]]:
-    tid = target.id if isinstance(target, Tensor) else target
-    if isinstance(tid, bool) or not isinstance(tid, int) or tid not in plan.graph.tensors:
-        raise PlanError(f"decouple() applies to a tensor of the graph; got {target!r}")
-    if tid in plan.identities:
-        raise PlanError(f"tensor {tid} ({plan.graph.tensors[tid].name}) is already decoupled")
-    new = plan.evolve(identities=plan.identities + (tid,))
-    return new, (SubOp(new.pgraph.identity_of[tid]),)
+    many = isinstance(target, tuple | list)
+    tids = [t.id if isinstance(t, Tensor) else t for t in (target if many else [target])]
+    for tid in tids:
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid not in plan.graph.tensors:
+            raise PlanError(f"decouple() applies to a tensor of the graph; got {tid!r}")
+        if tid in plan.identities or tids.count(tid) > 1:
+            raise PlanError(f"tensor {tid} ({plan.graph.tensors[tid].name}) is already decoupled")
+    new = plan.evolve(identities=plan.identities + tuple(tids))
+    return new, tuple(SubOp(new.pgraph.identity_of[t]) for t in tids)
 
 
 # ---- op_assign / op_order ------------------------------------------------------------
@@ -285,13 +288,15 @@ def op_assign(plan: Plan, sub_op: SubOp | Op | int, device: int | Sequence[int])
                 f"op_assign: device {d!r} for sub-op {sub} of {op.where} does not exist; "
                 f"the plan's mesh ({plan.mesh}) has devices 0..{plan.mesh.size - 1}"
             )
-    if len(group) == 1:
-        new = Node(device=group[0])
-    else:
-        new = Node("replicate", None, tuple(Node(device=d) for d in group))
     trees = dict(plan.trees)
-    trees[sub.op] = tree.replace(sub.path, new)
+    trees[sub.op] = tree.replace(sub.path, _placed(group))
     return plan.evolve(trees=trees)
+
+
+def _placed(group: Sequence[int]) -> Node:
+    if len(group) == 1:
+        return Node(device=group[0])
+    return Node("replicate", None, tuple(Node(device=d) for d in group))
 
 
 def op_order(plan: Plan, first: SubOp | Op | int, then: SubOp | Op | int) -> Plan:
