@@ -54,7 +54,7 @@ class Lowered:
     """A plan lowered onto concrete devices: the mesh, every layout, and the forward."""
 
     plan: Plan
-    mesh: Mesh
+    mesh: Mesh | None  # None: layouts only (lower(plan, None))
     ops: dict[int, OpLayouts]
     storage: dict[int, Layout]  # graph input tensor -> stored layout
     targets: dict[int, Layout]  # tensor -> the layout its consumers agree on (reduced)
@@ -76,12 +76,16 @@ class Lowered:
 
 
 def lower(plan: Plan, devices) -> Lowered:
-    """Lowers a validated plan onto ``devices`` (device i of the plan = ``devices[i]``)."""
+    """Lowers a validated plan onto ``devices`` (device i of the plan = ``devices[i]``);
+    ``devices=None`` gives the layouts alone (no mesh: for the cost model, which plans
+    for devices this process does not have)."""
     spec = plan.mesh
-    arr = np.array([devices[i] for i in spec.devices], dtype=object).reshape(
-        [s for _, s in spec.axes]
-    )
-    mesh = Mesh(arr, spec.names, axis_types=(AxisType.Auto,) * len(spec.axes))
+    mesh = None
+    if devices is not None:
+        arr = np.array([devices[i] for i in spec.devices], dtype=object).reshape(
+            [s for _, s in spec.axes]
+        )
+        mesh = Mesh(arr, spec.names, axis_types=(AxisType.Auto,) * len(spec.axes))
     pg = plan.pgraph
     g = pg.graph
     ops: dict[int, OpLayouts] = {}

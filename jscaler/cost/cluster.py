@@ -1,0 +1,124 @@
+"""Cluster specs: what one device computes and holds, and how fast its links move data.
+
+A :class:`Cluster` is a frozen description of identical devices grouped into nodes. Device
+``d`` lives on node ``d // devices_per_node``; a collective whose group stays inside one
+node runs over the intra-node links (NVLink), one that spans nodes over the inter-node
+network (InfiniBand), whose per-device share is the node's network bandwidth divided by
+its devices. Figures are vendors' peak numbers (dense, no sparsity); write your own
+``Cluster(...)`` for other hardware, or ``dataclasses.replace(preset, ...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jscaler.errors import PlanError
+
+__all__ = ["CLUSTERS", "Cluster", "Link", "get_cluster"]
+
+GB = 1e9
+TB = 1e12
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link level: per-device bandwidth (bytes/s, one direction) and per-hop latency (s)."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Identical devices, ``devices_per_node`` per node.
+
+    Attributes:
+      flops: peak FLOP/s per device by dtype name (``"fp32"``, ``"bf16"``, ``"fp16"``).
+      memory_bandwidth: device memory bytes/s (the roofline's slope).
+      memory: device memory in bytes (the capacity plans must fit).
+      intra, inter: links inside a node and between nodes (per device).
+      efficiency: the fraction of peak FLOP/s large kernels reach (MFU of a well-tuned
+        matmul), applied to the compute roof.
+    """
+
+    name: str
+    devices_per_node: int
+    flops: dict = field(hash=False)
+    memory_bandwidth: float
+    memory: float
+    intra: Link
+    inter: Link
+    efficiency: float = 0.7
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.flops:
+            raise PlanError(
+                f"cluster {self.name!r} has no peak FLOP/s for {dtype!r}; it knows "
+                f"{sorted(self.flops)}"
+            )
+        return self.flops[dtype]
+
+    def node_of(self, device: int) -> int:
+        return device // self.devices_per_node
+
+    def link(self, group) -> Link:
+        """The link a collective over ``group`` (device ids) runs on."""
+        return self.intra if len({self.node_of(d) for d in group}) <= 1 else self.inter
+
+
+def _v100(name: str, per_node: int, nvlink: float, ib_node: float) -> Cluster:
+    return Cluster(
+        name,
+        per_node,
+        {"fp32": 15.7 * TB, "fp16": 125 * TB, "bf16": 125 * TB},
+        900 * GB,
+        32 * 2**30,
+        Link(nvlink, 5e-6),
+        Link(ib_node / per_node, 10e-6),
+    )
+
+
+CLUSTERS = {
+    # the paper's testbed: 16 V100-32GB per node on NVSwitch, 8 x 100 Gb/s InfiniBand
+    "dgx2_v100": _v100("dgx2_v100", 16, 150 * GB, 8 * 12.5 * GB),
+    # 8 V100 per node on a hybrid-cube NVLink mesh, 4 x 100 Gb/s InfiniBand
+    "dgx1_v100": _v100("dgx1_v100", 8, 100 * GB, 4 * 12.5 * GB),
+    "a100_80g": Cluster(
+        "a100_80g",
+        8,
+        {"fp32": 19.5 * TB, "tf32": 156 * TB, "bf16": 312 * TB, "fp16": 312 * TB},
+        2039 * GB,
+        80 * 2**30,
+        Link(300 * GB, 5e-6),
+        Link(8 * 25 * GB / 8, 10e-6),  # 8 x 200 Gb/s HDR per node
+    ),
+    "h100_sxm": Cluster(
+        "h100_sxm",
+        8,
+        {"fp32": 67 * TB, "tf32": 495 * TB, "bf16": 989 * TB, "fp16": 989 * TB},
+        3350 * GB,
+        80 * 2**30,
+        Link(450 * GB, 4e-6),
+        Link(8 * 50 * GB / 8, 8e-6),  # 8 x 400 Gb/s NDR per node
+    ),
+    # this machine: simulated CPU devices sharing 2 cores and 24 GiB, memcpy "links"
+    "cpu": Cluster(
+        "cpu",
+        8,
+        {"fp32": 50e9, "bf16": 25e9},
+        10 * GB,
+        24 * 2**30,
+        Link(5 * GB, 20e-6),
+        Link(1 * GB, 100e-6),
+        efficiency=0.5,
+    ),
+}
+
+
+def get_cluster(cluster: str | Cluster) -> Cluster:
+    """A preset by name, or the Cluster given."""
+    if isinstance(cluster, Cluster):
+        return cluster
+    if cluster not in CLUSTERS:
+        raise PlanError(f"unknown cluster {cluster!r}; presets: {sorted(CLUSTERS)}")
+    return CLUSTERS[cluster]

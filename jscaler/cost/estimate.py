@@ -1,0 +1,249 @@
+"""Predicted step time and memory of an SPMD plan on a cluster, without running it.
+
+* **Compute**: every leaf sub-op runs ``op.flops`` times the fraction its splits leave it
+  (1/n per split level, 1 per replicate level), forward once, backward twice for
+  contractions (input and weight gradients) and once for other differentiable ops, again
+  forward when recomputed. Its time is the roofline ``max(flops / (peak * efficiency),
+  bytes / memory bandwidth)``, bytes being the op's inputs and outputs scaled the same way.
+  A device's compute time is the sum over its sub-ops; the step takes the slowest device.
+* **Communication**: the plan's comm table (the collectives its layouts imply, the same
+  table a test holds the compiled HLO to), each timed by :func:`collective_time` on the
+  links its group spans. Gradient reductions of parameters overlap the backward compute
+  (as DDP buckets do); everything else is exposed.
+* **Memory per device**: parameters, gradients and optimizer state in their stored,
+  gradient and update layouts; the batch; and the activations the backward pass keeps:
+  every forward value a non-linear consumer reads (a matmul's operands, an exp's output
+  ...), in its layout, except inside recomputed layers (their inputs only).
+* **MFU / HFU**: model FLOPs per step (forward + backward of the unsplit graph, 3x its
+  forward FLOPs as in PaLM's appendix B) over step time x devices x peak; HFU counts the
+  recomputed forward too.
+
+The estimate is an order-of-magnitude model, not a profiler: it ignores kernel launch
+overheads, fusion, XLA's rematerialisation and buffer reuse. ``tests/test_cost.py`` and
+``jscaler bench cost`` compare it against XLA's ``memory_analysis()`` and compiled HLO.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+
+from jscaler.compile.comm import NON_DIFFERENTIABLE, comm_table
+from jscaler.compile.layout import Layout
+from jscaler.compile.lower import lower
+from jscaler.cost.cluster import Cluster, get_cluster
+from jscaler.cost.collective import collective_time
+from jscaler.ir.graph import Literal
+from jscaler.plan.plan import Plan
+
+__all__ = ["Estimate", "estimate", "saved_for_backward"]
+
+CONTRACTIONS = {"dot_general", "conv_general_dilated"}
+# consumers that need none of their inputs' values in the backward pass
+LINEAR = {
+    "add", "sub", "neg", "reshape", "transpose", "broadcast_in_dim", "convert_element_type",
+    "reduce_sum", "concatenate", "slice", "squeeze", "expand_dims", "copy", "identity",
+    "pad", "dynamic_slice", "rev", "select_n", "stop_gradient", "cumsum", "add_any",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One plan's predicted step on one cluster (seconds, bytes per device, FLOPs)."""
+
+    plan: str
+    cluster: str
+    devices: int
+    compute: float  # slowest device's compute seconds
+    comm: float  # all collectives, seconds
+    exposed_comm: float  # not hidden behind the backward pass
+    step_time: float
+    memory: dict = field(default_factory=dict)  # params/grads/optimizer/batch/activations/total
+    comm_bytes: int = 0
+    model_flops: float = 0.0
+    hardware_flops: float = 0.0
+    peak: float = 0.0
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_time * self.devices * self.peak)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / (self.step_time * self.devices * self.peak)
+
+    def format(self) -> str:
+        mem = self.memory
+        return (
+            f"{self.plan} on {self.devices} x {self.cluster}: step {self.step_time * 1e3:.2f} ms "
+            f"(compute {self.compute * 1e3:.2f}, comm {self.comm * 1e3:.2f}, exposed "
+            f"{self.exposed_comm * 1e3:.2f}), MFU {self.mfu:.1%}, HFU {self.hfu:.1%}; memory "
+            f"per device {mem['total'] / 2**20:.1f} MiB (params {mem['params'] / 2**20:.1f}, "
+            f"grads {mem['grads'] / 2**20:.1f}, optimizer {mem['optimizer'] / 2**20:.1f}, "
+            f"activations {mem['activations'] / 2**20:.1f}); collectives "
+            f"{self.comm_bytes / 1e6:.2f} MB per device"
+        )
+
+
+def _local(shape, itemsize: int, layout: Layout | None, sizes) -> float:
+    if layout is None:
+        return math.prod(shape) * itemsize
+    parts = math.prod(sizes[a] for axes in layout.spec for a in axes)
+    return math.prod(shape) * itemsize / parts
+
+
+def _bwd_factor(op, needs) -> float:
+    if op.primitive in NON_DIFFERENTIABLE or not any(t in needs for t in op.outputs):
+        return 0.0
+    return 2.0 if op.primitive in CONTRACTIONS else 1.0
+
+
+def saved_for_backward(graph, recomputed: set[int]) -> set[int]:
+    """Forward values the backward pass reads: inputs of non-linear consumers, outputs of
+    ops whose derivative is their output (exp, tanh, logistic, sqrt, rsqrt), except values
+    made inside recomputed groups (recomputed from the group's inputs instead)."""
+    own_output = {"exp", "tanh", "logistic", "sqrt", "rsqrt", "exp2"}
+    saved = set()
+    for op in graph.ops:
+        if op.primitive in NON_DIFFERENTIABLE or op.primitive in LINEAR:
+            continue
+        if op.primitive in own_output:
+            saved.update(op.outputs)
+            continue
+        saved.update(t for t in op.inputs if not isinstance(t, Literal))
+    made_in = {t for op in graph.ops if op.id in recomputed for t in op.outputs}
+    roles = {t for t in saved if graph.tensors[t].role != "value"}
+    return saved - made_in - roles
+
+
+def estimate(
+    plan: Plan,
+    cluster: str | Cluster = "cpu",
+    *,
+    dtype: str = "fp32",
+    microbatches: int = 1,
+    optimizer_slots: int = 0,
+    algorithm: str = "ring",
+) -> Estimate:
+    """Predicts ``plan``'s training step on ``cluster`` (see the module doc).
+
+    Args:
+      dtype: the compute dtype (picks the cluster's peak FLOP/s).
+      microbatches: gradient-accumulation steps; the graph is one micro-batch.
+      optimizer_slots: fp32 values of optimizer state per parameter (SGD 0, momentum 1,
+        Adam 2).
+    """
+    cl = get_cluster(cluster)
+    peak = cl.peak(dtype)
+    roof = peak * cl.efficiency
+    pg = plan.pgraph
+    g = pg.graph
+    mesh = plan.mesh
+    sizes = mesh.shape
+    low = lower(plan, None)
+    needs = _needs_grad(g)
+    recomputed = {o for grp in plan.recompute for o in grp}
+
+    fwd = {d: 0.0 for d in mesh.devices}
+    bwd = dict(fwd)
+    model_flops = hardware = 0.0
+    for op in g.ops:
+        factor = _bwd_factor(op, needs)
+        again = 1.0 if op.id in recomputed else 0.0
+        model_flops += op.flops * (1 + factor)
+        hardware += op.flops * (1 + factor + again)
+        nbytes = sum(
+            math.prod(g.tensors[t].shape) * jnp.dtype(g.tensors[t].dtype).itemsize
+            for t in (*op.tensor_inputs, *op.outputs)
+        )
+        tree = plan.tree(op.id)
+        for path, leaf in tree.leaves():
+            share = _share(tree, path)
+            t = max(op.flops * share / roof, nbytes * share / cl.memory_bandwidth)
+            dev = leaf.device if leaf.device is not None else mesh.devices[0]
+            fwd[dev] += t
+            bwd[dev] += t * (factor + again)
+    for vop in (*pg.grad_ops, *pg.update_ops):  # optimizer-side ops: elementwise, memory bound
+        tree = plan.tree(vop.id)
+        t0 = vop.inputs[0]
+        nbytes = 3 * math.prod(g.tensors[t0].shape) * jnp.dtype(g.tensors[t0].dtype).itemsize
+        for path, leaf in tree.leaves():
+            dev = leaf.device if leaf.device is not None else mesh.devices[0]
+            bwd[dev] += nbytes * _share(tree, path) / cl.memory_bandwidth
+    m = microbatches
+    compute = max(m * (fwd[d] + bwd[d]) for d in mesh.devices)
+    bwd_time = max(m * bwd[d] for d in mesh.devices)
+
+    table = comm_table(low, m)
+    params = {p.id for p in g.params()}
+    hidden = exposed = 0.0
+    for r in table.rows:
+        fixed = {a: 0 for a in mesh.names if a not in r.axes}
+        t = collective_time(r.collective, r.bytes, mesh.group(**fixed), cl, algorithm) * r.times
+        if r.phase in ("backward", "update") and (r.tensor in params or r.phase == "update"):
+            hidden += t
+        else:
+            exposed += t
+    exposed_total = exposed + max(0.0, hidden - bwd_time)
+    step = compute + exposed_total
+
+    memory = _memory(low, g, sizes, optimizer_slots, recomputed)
+    return Estimate(
+        plan.name or "plan",
+        cl.name,
+        mesh.size,
+        compute,
+        hidden + exposed,
+        exposed_total,
+        step,
+        memory,
+        table.total_bytes,
+        model_flops * m,
+        hardware * m,
+        peak,
+    )
+
+
+def _share(tree, path) -> float:
+    node, share = tree, 1.0
+    for i in path:
+        if node.algo == "split":
+            share /= len(node.children)
+        node = node.children[i]
+    return share
+
+
+def _needs_grad(g) -> set[int]:
+    params = {p.id for p in g.params()}
+    needs = set(params)
+    for op in g.ops:
+        if op.primitive not in NON_DIFFERENTIABLE and any(t in needs for t in op.tensor_inputs):
+            needs.update(op.outputs)
+    return needs
+
+
+def _memory(low, g, sizes, slots: int, recomputed: set[int]) -> dict:
+    def size(t, layout):
+        tensor = g.tensors[t]
+        return _local(tensor.shape, jnp.dtype(tensor.dtype).itemsize, layout, sizes)
+
+    params = sum(size(t, low.storage[t]) for t in low.update)
+    grads = sum(size(t, low.grad[t]) for t in low.grad)
+    opt = slots * sum(size(t, low.update[t]) for t in low.update)
+    batch = sum(size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch")
+    produced = {}
+    for op in g.ops:
+        for t, lay in zip(op.outputs, low.ops[op.id].outputs):
+            produced[t] = lay
+    acts = sum(size(t, produced[t]) for t in saved_for_backward(g, recomputed) if t in produced)
+    total = params + grads + opt + batch + acts
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": opt,
+        "batch": batch,
+        "activations": acts,
+        "total": total,
+    }

@@ -1,0 +1,62 @@
+"""The cost model: cluster presets, collective times, and predicted memory against XLA."""
+
+import dataclasses
+
+import optax
+import pytest
+
+import jscaler
+import models
+from jscaler.cost import CLUSTERS, Cluster, collective_time, estimate, get_cluster
+from spaces import dp, megatron, zero
+
+
+def test_presets_and_links():
+    assert {"dgx2_v100", "dgx1_v100", "a100_80g", "h100_sxm", "cpu"} <= set(CLUSTERS)
+    dgx2 = get_cluster("dgx2_v100")
+    assert dgx2.devices_per_node == 16 and dgx2.memory == 32 * 2**30
+    assert dgx2.link(range(16)) is dgx2.intra and dgx2.link([0, 16]) is dgx2.inter
+    with pytest.raises(jscaler.PlanError, match="unknown cluster 'tpu'"):
+        get_cluster("tpu")
+    with pytest.raises(jscaler.PlanError, match="no peak FLOP/s for 'fp8'"):
+        dgx2.peak("fp8")
+    mine = dataclasses.replace(dgx2, name="mine", devices_per_node=4)
+    assert isinstance(mine, Cluster) and mine.link([0, 4]) is mine.inter
+
+
+def test_collective_times_follow_alpha_beta():
+    c = get_cluster("dgx2_v100")
+    mb = 64e6
+    assert collective_time("all-reduce", mb, [0], c) == 0
+    ar = collective_time("all-reduce", mb, range(8), c)
+    ag = collective_time("all-gather", mb, range(8), c)
+    assert ar == pytest.approx(2 * ag, rel=0.01)  # ring all-reduce = reduce-scatter + gather
+    assert ag == pytest.approx(7 * c.intra.latency + 7 / 8 * mb / c.intra.bandwidth)
+    across = collective_time("all-reduce", mb, [0, 16, 32, 48], c)
+    inside = collective_time("all-reduce", mb, [0, 1, 2, 3], c)
+    assert across > 10 * inside  # IB per GPU is ~25x slower than NVSwitch
+    assert collective_time("all-reduce", 1e3, range(32), c, "tree") < collective_time(
+        "all-reduce", 1e3, range(32), c
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    spec = models.get("gpt-tiny")
+    return spec, spec.batch(spec.batch_size, 0)
+
+
+@pytest.mark.parametrize("space", [dp(), megatron(tp=2), megatron(tp=8), zero(stage=3)])
+def test_predicted_memory_against_xla(gpt, space):
+    spec, batch = gpt
+    trainer = jscaler.parallelize(
+        spec.init(0), spec.loss, optax.sgd(0.1), batch, devices=8, plan=space
+    )
+    est = estimate(trainer.plan, "cpu")
+    ma = trainer.compiled(batch).memory_analysis()
+    stored = est.memory["params"] + est.memory["batch"]
+    assert stored == pytest.approx(ma.argument_size_in_bytes, rel=0.02)
+    working = est.memory["grads"] + est.memory["activations"]
+    assert 0.5 < working / ma.temp_size_in_bytes < 2.0  # liveness is XLA's; an estimate
+    assert est.comm_bytes == trainer.comm_table().total_bytes
+    assert 0 < est.mfu <= est.hfu < 1 and est.step_time >= est.compute
