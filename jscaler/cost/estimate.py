@@ -38,7 +38,7 @@ from jscaler.cost.collective import collective_time
 from jscaler.ir.graph import Literal
 from jscaler.plan.plan import Plan
 
-__all__ = ["Estimate", "estimate", "saved_for_backward"]
+__all__ = ["Estimate", "estimate", "needs_grad", "saved_for_backward"]
 
 CONTRACTIONS = {"dot_general", "conv_general_dilated"}
 # consumers that need none of their inputs' values in the backward pass
@@ -143,7 +143,7 @@ def estimate(
     mesh = plan.mesh
     sizes = mesh.shape
     low = lower(plan, None)
-    needs = _needs_grad(g)
+    needs = needs_grad(g)
     recomputed = {o for grp in plan.recompute for o in grp}
 
     fwd = {d: 0.0 for d in mesh.devices}
@@ -215,7 +215,8 @@ def _share(tree, path) -> float:
     return share
 
 
-def _needs_grad(g) -> set[int]:
+def needs_grad(g) -> set[int]:
+    """Tensors a gradient flows into: parameters and everything computed from them."""
     params = {p.id for p in g.params()}
     needs = set(params)
     for op in g.ops:

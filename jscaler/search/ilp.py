@@ -1,0 +1,138 @@
+"""Solving the op-trans + op-assign problem: CP-SAT, a brute-force check, and the Plan.
+
+The model is Alpa's: a boolean ``x[c, s]`` per cluster and strategy (exactly one per
+cluster), a boolean ``e[a, b, i, j]`` per edge and strategy pair, linked to the ``x`` by
+``sum_j e[a, b, i, j] = x[a, i]`` and ``sum_i e[a, b, i, j] = x[b, j]``; minimise
+``sum node * x + sum edge * e`` (integer nanoseconds) under ``sum memory * x <=
+capacity``. CP-SAT runs with one worker, a fixed seed and a deterministic-time limit, so
+every host derives the same plan; when it proves nothing in time, the best solution
+found is used, and with none, the greedy choice (each cluster's cheapest strategy, or
+its leanest when the cheapest do not fit).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from jscaler.errors import PlanError
+from jscaler.plan.helpers import assign_mesh, split_ops
+from jscaler.plan.plan import Plan
+from jscaler.search.problem import Problem, objective
+
+__all__ = ["Solution", "brute_force", "solve", "to_plan"]
+
+NS = 1e9  # objective unit: nanoseconds
+KB = 1024  # memory unit
+
+
+@dataclass(frozen=True)
+class Solution:
+    choice: tuple[int, ...]  # strategy index per cluster
+    seconds: float
+    memory: float
+    status: str  # OPTIMAL | FEASIBLE | GREEDY | BRUTE_FORCE
+    wall: float = 0.0
+
+
+def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
+    """The cheapest strategy per cluster under the memory capacity (CP-SAT)."""
+    import time
+
+    from ortools.sat.python import cp_model
+
+    start = time.perf_counter()
+    m = cp_model.CpModel()
+    x = [[m.new_bool_var(f"x{c}_{s}") for s in range(len(st))] for c, st in enumerate(p.strategies)]
+    for row in x:
+        m.add_exactly_one(row)
+    terms = [(round(p.node[c][s] * NS), x[c][s]) for c in range(len(x)) for s in range(len(x[c]))]
+    for (a, b), mat in sorted(p.edges.items()):
+        e = {}
+        for i, j in itertools.product(range(len(x[a])), range(len(x[b]))):
+            e[i, j] = m.new_bool_var(f"e{a}_{b}_{i}_{j}")
+            if mat[i][j]:
+                terms.append((round(mat[i][j] * NS), e[i, j]))
+        for i in range(len(x[a])):
+            m.add(sum(e[i, j] for j in range(len(x[b]))) == x[a][i])
+        for j in range(len(x[b])):
+            m.add(sum(e[i, j] for i in range(len(x[a]))) == x[b][j])
+    if p.capacity is not None:
+        m.add(
+            sum(
+                round(p.memory[c][s] / KB) * x[c][s]
+                for c in range(len(x))
+                for s in range(len(x[c]))
+            )
+            <= int(p.capacity // KB)
+        )
+    # gradient reductions hide behind the backward compute: z >= hidden - backward, z >= 0
+    idx = [(c, s) for c in range(len(x)) for s in range(len(x[c]))]
+    hidden = sum(round(p.hidden[c][s] * NS) * x[c][s] for c, s in idx)
+    back = sum(round(p.backward[c][s] * NS) * x[c][s] for c, s in idx)
+    z = m.new_int_var(0, max(1, round(sum(max(r) for r in p.hidden) * NS)), "exposed_grads")
+    m.add(z >= hidden - back)
+    m.minimize(sum(w * v for w, v in terms if w) + z)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_deterministic_time = time_limit
+    solver.parameters.linearization_level = 2  # the LP relaxation: optimal in seconds
+    status = solver.solve(m)
+    wall = time.perf_counter() - start
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        choice = tuple(next(s for s, v in enumerate(row) if solver.value(v)) for row in x)
+        secs, mem = objective(p, list(choice))
+        return Solution(choice, secs, mem, solver.status_name(status), wall)
+    if status == cp_model.INFEASIBLE:
+        least = sum(min(row) for row in p.memory)
+        raise PlanError(
+            f"no plan on mesh {p.mesh} fits {p.capacity / 2**30:.2f} GiB per device: the "
+            f"least memory any strategy choice needs is {least / 2**30:.2f} GiB (activations "
+            f"kept for the backward pass and parameter state); add devices, recompute, or "
+            f"use pipeline stages"
+        )
+    choice = _greedy(p)
+    secs, mem = objective(p, list(choice))
+    return Solution(choice, secs, mem, "GREEDY", wall)
+
+
+def _greedy(p: Problem) -> tuple[int, ...]:
+    """Each cluster's cheapest strategy; if that exceeds the capacity, each cluster's
+    leanest (ties to the cheaper)."""
+    fast = tuple(
+        min(range(len(row)), key=lambda s, c=c: (row[s] + p.hidden[c][s], s))
+        for c, row in enumerate(p.node)
+    )
+    if p.capacity is None or objective(p, list(fast))[1] <= p.capacity:
+        return fast
+    return tuple(
+        min(range(len(row)), key=lambda s, c=c: (row[s], p.node[c][s], s))
+        for c, row in enumerate(p.memory)
+    )
+
+
+def brute_force(p: Problem) -> Solution:
+    """Every combination of strategies (for checking the solver on small graphs)."""
+    best = None
+    for choice in itertools.product(*(range(len(s)) for s in p.strategies)):
+        secs, mem = objective(p, list(choice))
+        if p.capacity is not None and mem > p.capacity:
+            continue
+        if best is None or secs < best[0] - 1e-15:
+            best = (secs, mem, choice)
+    if best is None:
+        raise PlanError(f"no strategy choice fits {p.capacity} bytes per device")
+    return Solution(best[2], best[0], best[1], "BRUTE_FORCE")
+
+
+def to_plan(p: Problem, sol: Solution, name: str = "") -> Plan:
+    """The plan of a solution: each op split per mesh axis as its cluster's strategy says."""
+    plan = Plan.create(p.graph, p.mesh, name=name)
+    chosen = {}
+    for c, ids in enumerate(p.clusters):
+        for op in ids:
+            chosen[op] = p.strategies[c][sol.choice[c]]
+    for level, (_, size) in enumerate(p.mesh.axes):
+        plan = split_ops(plan, {op: s[level] for op, s in chosen.items()}, size)
+    return assign_mesh(plan, p.mesh.names)

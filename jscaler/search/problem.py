@@ -1,0 +1,271 @@
+"""The op-trans + op-assign search problem on one device mesh (Alpa's intra-op ILP).
+
+Every op picks a *strategy*: for each mesh axis, the annotation dim it splits over that
+axis (the axis size must divide it), or none (replicated over the axis). Choosing a
+strategy per op fixes every tensor's layout on the mesh, hence:
+
+* a **node cost** per (op, strategy): its compute (the roofline of the cost model,
+  forward + backward, on the share its splits leave each device), the all-reduce of its
+  partial sums when it splits a reduced ('+') dim, and in the backward pass the
+  all-reduce of each input's cotangent over the axes the op is split on but the input is
+  not (a weight read whole by a batch-split op: data parallelism's gradient all-reduce);
+* an **edge cost** per (producer strategy, consumer strategy) of every tensor: the
+  collectives converting the producer's layout into the consumer's (``convert`` of the
+  comm table: all-gather, all-to-all; slices are free), twice when the tensor carries a
+  gradient (the backward pass moves its cotangent back);
+* a **memory** per (op, strategy): the activations it keeps for the backward pass and,
+  for the first reader of a parameter, the parameter, its gradient and optimizer state in
+  the layout that reader wants (parameters are stored as read).
+
+Ops of repeated layers at the same position form one *cluster* sharing a strategy (the
+i-th op of every block), so a model's depth does not grow the problem; a tensor passing
+from a cluster to itself (layer i to layer i+1) costs on the diagonal only.
+
+Times are seconds per device per micro-batch on a :class:`~jscaler.cost.Cluster`; the
+objective, the sum of node and edge costs over the graph, is a device's step time when
+nothing overlaps (every device runs the same SPMD program).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+
+from jscaler.compile.comm import NON_DIFFERENTIABLE, convert
+from jscaler.compile.layout import Layout
+from jscaler.cost.cluster import Cluster, get_cluster
+from jscaler.cost.collective import collective_time
+from jscaler.cost.estimate import CONTRACTIONS, needs_grad, saved_for_backward
+from jscaler.ir.graph import Graph, Literal, Op
+from jscaler.plan.mesh import MeshSpec
+
+__all__ = ["Problem", "Strategy", "build_problem", "objective"]
+
+Strategy = tuple  # per mesh axis: a dim name or None
+
+
+@dataclass
+class Problem:
+    """Clusters of ops with their strategies and costs; see the module doc."""
+
+    graph: Graph
+    mesh: MeshSpec
+    cluster: Cluster
+    clusters: list[list[int]]  # op ids per cluster
+    strategies: list[list[Strategy]]  # per cluster, in a stable order
+    node: list[list[float]]  # per cluster, per strategy: seconds (compute + exposed comm)
+    hidden: list[list[float]]  # parameter-gradient reductions, overlappable with backward
+    backward: list[list[float]]  # backward compute (what hides the reductions)
+    memory: list[list[float]]  # per cluster, per strategy: bytes per device
+    edges: dict = field(default_factory=dict)  # (cluster a, cluster b) -> [[seconds]]
+    capacity: float | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(len(s) for s in self.strategies)
+
+
+def objective(p: Problem, choice: list[int]) -> tuple[float, float]:
+    """(seconds, bytes per device) of one strategy index per cluster: node and edge costs,
+    plus the gradient reductions the backward compute does not hide."""
+    t = sum(p.node[c][s] for c, s in enumerate(choice))
+    t += sum(m[choice[a]][choice[b]] for (a, b), m in p.edges.items())
+    hidden = sum(p.hidden[c][s] for c, s in enumerate(choice))
+    t += max(0.0, hidden - sum(p.backward[c][s] for c, s in enumerate(choice)))
+    mem = sum(p.memory[c][s] for c, s in enumerate(choice))
+    return t, mem
+
+
+# ---- building -------------------------------------------------------------------------
+
+
+def _strategies(op: Op, mesh: MeshSpec) -> list[Strategy]:
+    ann = op.annotation
+    axes = list(mesh.axes)
+    if ann is None:
+        return [(None,) * len(axes)]
+    dims = ann.splittable()
+    per_axis = [[None] + [d for d in dims if ann.sizes[d] % size == 0] for _, size in axes]
+    out = []
+    for combo in itertools.product(*per_axis):
+        ways: dict[str, int] = {}
+        for (_, size), d in zip(axes, combo):
+            if d is not None:
+                ways[d] = ways.get(d, 1) * size
+        if all(ann.sizes[d] % n == 0 for d, n in ways.items()):
+            out.append(tuple(combo))  # a dim may split over several axes (major first)
+    return out
+
+
+def layout(dims, strategy: Strategy, mesh: MeshSpec, kinds, output: bool) -> Layout:
+    """The layout of a tensor with annotation ``dims`` under an op's strategy."""
+    names = mesh.names
+    spec = tuple(
+        tuple(a for a, d in zip(names, strategy) if d is not None and d == ax[0]) for ax in dims
+    )
+    present = {ax[0] for ax in dims}
+    partial = ()
+    if output:
+        partial = tuple(
+            a for a, d in zip(names, strategy) if d is not None and kinds.get(d) == "+"
+            and d not in present
+        )  # fmt: skip
+    return Layout(spec, partial)
+
+
+def _cluster_ops(graph: Graph) -> list[list[int]]:
+    """Repeated layers' ops by position; every other op alone."""
+    layers = graph.layers()
+    groups: list[list[int]] = []
+    placed: set[int] = set()
+    if layers:
+        by_shape: dict[tuple, list] = {}
+        for lay in layers:
+            key = tuple(o.primitive for o in lay.graph.ops)
+            by_shape.setdefault(key, []).append(lay)
+        for family in by_shape.values():
+            for k in range(len(family[0].graph.ops)):
+                ids = [lay.graph.ops[k].id for lay in family]
+                groups.append(ids)
+                placed.update(ids)
+    for op in graph.ops:
+        if op.id not in placed:
+            groups.append([op.id])
+    first = {min(g): g for g in groups}
+    return [first[k] for k in sorted(first)]
+
+
+def build_problem(
+    graph: Graph,
+    mesh: MeshSpec,
+    cluster: str | Cluster = "cpu",
+    *,
+    dtype: str = "fp32",
+    capacity: float | None = None,
+    optimizer_slots: int = 0,
+    algorithm: str = "ring",
+) -> Problem:
+    """The search problem of ``graph`` on ``mesh`` (see the module doc)."""
+    cl = get_cluster(cluster)
+    roof = cl.peak(dtype) * cl.efficiency
+    sizes = mesh.shape
+    names = mesh.names
+    ops = {o.id: o for o in graph.ops}
+    clusters = _cluster_ops(graph)
+    where = {o: c for c, ids in enumerate(clusters) for o in ids}
+    needs = needs_grad(graph)
+    saved = saved_for_backward(graph, set())
+    first_reader: dict[int, int] = {}
+    for op in graph.ops:
+        for t in op.tensor_inputs:
+            if graph.tensors[t].role in ("param", "batch"):
+                first_reader.setdefault(t, op.id)
+    producer = {t: o.id for o in graph.ops for t in o.outputs}
+
+    def nbytes(t) -> float:
+        tensor = graph.tensors[t]
+        return math.prod(tensor.shape) * jnp.dtype(tensor.dtype).itemsize
+
+    def local(t, lay: Layout) -> float:
+        return nbytes(t) / math.prod(sizes[a] for axes in lay.spec for a in axes)
+
+    def group(axes) -> tuple[int, ...]:
+        return mesh.group(**{a: 0 for a in names if a not in axes})
+
+    def coll(kind, b, axes) -> float:
+        return collective_time(kind, b, group(axes), cl, algorithm)
+
+    def node_cost(op: Op, s: Strategy) -> tuple[float, float, float, float]:
+        """(seconds exposed, seconds of parameter-gradient reduction, backward seconds,
+        bytes kept)."""
+        ann = op.annotation
+        share = 1.0 / math.prod(sizes[a] for a, d in zip(names, s) if d is not None)
+        diff = op.primitive not in NON_DIFFERENTIABLE and any(t in needs for t in op.outputs)
+        back = (2.0 if op.primitive in CONTRACTIONS else 1.0) * diff
+        moved = sum(nbytes(t) for t in (*op.tensor_inputs, *op.outputs))
+        once = max(op.flops * share / roof, moved * share / cl.memory_bandwidth)
+        t, grads, mem = (1 + back) * once, 0.0, 0.0
+        if ann is None:
+            return t, 0.0, back * once, sum(nbytes(x) for x in op.outputs if x in saved)
+        used = {a for a, d in zip(names, s) if d is not None}
+        for dims, x in zip(ann.outputs, op.outputs):
+            lay = layout(dims, s, mesh, ann.kinds, True)
+            if lay.partial:
+                t += coll("all-reduce", local(x, lay), lay.partial)
+            if x in saved:
+                mem += local(x, lay)
+        for dims, x in zip(ann.inputs, op.inputs):
+            if isinstance(x, Literal):
+                continue
+            lay = layout(dims, s, mesh, ann.kinds, False)
+            missing = tuple(sorted(used - lay.axes_used()))
+            if diff and x in needs and missing:
+                red = coll("all-reduce", local(x, lay), missing)
+                if graph.tensors[x].role == "param":
+                    grads += red
+                else:
+                    t += red
+            if first_reader.get(x) == op.id:
+                copies = 2 + optimizer_slots if graph.tensors[x].role == "param" else 1
+                mem += copies * local(x, lay)
+        return t, grads, back * once, mem
+
+    strategies, node, hidden, backward, memory = [], [], [], [], []
+    for ids in clusters:
+        strats = _strategies(ops[ids[0]], mesh)
+        costs = [[node_cost(ops[o], s) for o in ids] for s in strats]
+        strategies.append(strats)
+        for k, table in enumerate((node, hidden, backward, memory)):
+            table.append([sum(c[k] for c in cs) for cs in costs])
+
+    edges: dict[tuple[int, int], list[list[float]]] = {}
+    for op in graph.ops:
+        for k, x in enumerate(op.inputs):
+            if isinstance(x, Literal) or x not in producer:
+                continue
+            src_op = ops[producer[x]]
+            a, b = where[src_op.id], where[op.id]
+            out_k = src_op.outputs.index(x)
+            shape = graph.tensors[x].shape
+            isz = jnp.dtype(graph.tensors[x].dtype).itemsize
+            mat = [[0.0] * len(strategies[b]) for _ in strategies[a]]
+            for i, sp in enumerate(strategies[a]):
+                src = _reduced(graph, src_op, out_k, sp, mesh)
+                for j, sc in enumerate(strategies[b]):
+                    if a == b and i != j:
+                        continue
+                    dst = _reduced(graph, op, k, sc, mesh, inputs=True)
+                    moves = convert(shape, isz, src, dst, sizes)
+                    if x in needs:  # the cotangent goes back: dst -> src
+                        moves += convert(shape, isz, dst, src, sizes)
+                    mat[i][j] = sum(coll(kind, nb, axes) for kind, axes, nb in moves)
+            if not any(any(row) for row in mat):
+                continue
+            if a == b:
+                for i in range(len(mat)):
+                    node[a][i] += mat[i][i]
+                continue
+            key = (a, b)
+            if key in edges:
+                old = edges[key]
+                mat = [[u + v for u, v in zip(r1, r2)] for r1, r2 in zip(old, mat)]
+            edges[key] = mat
+    return Problem(
+        graph, mesh, cl, clusters, strategies, node, hidden, backward, memory, edges, capacity
+    )
+
+
+def _whole(shape) -> Layout:
+    return Layout(tuple(() for _ in shape))
+
+
+def _reduced(graph: Graph, op: Op, k: int, s: Strategy, mesh: MeshSpec, inputs=False) -> Layout:
+    """The reduced layout of op's k-th output (or input) under strategy ``s``."""
+    ann = op.annotation
+    if ann is None:
+        return _whole(graph.tensors[(op.inputs if inputs else op.outputs)[k]].shape)
+    dims = (ann.inputs if inputs else ann.outputs)[k]
+    return layout(dims, s, mesh, ann.kinds, not inputs).reduced

@@ -1,0 +1,84 @@
+"""The op-trans + op-assign ILP: optimal against brute force, memory-aware, runs."""
+
+import jax.numpy as jnp
+import pytest
+
+import jscaler
+import models
+from jscaler.plan import MeshSpec
+from jscaler.search import brute_force, build_problem, intra_op, objective, solve
+
+from parity import assert_parity
+
+
+def mlp_loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"])
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def small_graph():
+    params = {"w1": jnp.ones((16, 32)) * 0.1, "w2": jnp.ones((32, 8)) * 0.1}
+    batch = {"x": jnp.ones((64, 16)), "y": jnp.zeros((64, 8))}
+    return jscaler.trace(mlp_loss, params, batch)
+
+
+@pytest.mark.parametrize(
+    "cluster, mesh, capacity",
+    [
+        ("cpu", {"d": 4}, None),
+        ("dgx2_v100", {"d": 4}, None),
+        ("cpu", {"a": 2, "b": 2}, None),
+        ("cpu", {"d": 4}, 6_000),  # bytes: forces sharding
+    ],
+)
+def test_ilp_equals_brute_force(cluster, mesh, capacity):
+    g = small_graph()
+    assert len(g.ops) <= 12
+    p = build_problem(g, MeshSpec.create(**mesh), cluster, capacity=capacity)
+    combos = 1
+    for s in p.strategies:
+        combos *= len(s)
+    assert 1000 < combos < 5_000_000  # a real choice, small enough to enumerate
+    best = brute_force(p)
+    sol = solve(p)
+    assert sol.status == "OPTIMAL"
+    assert sol.seconds == pytest.approx(best.seconds, rel=1e-6, abs=len(p.node) * 2e-9)
+    assert objective(p, list(sol.choice))[0] == sol.seconds
+    if capacity is not None:
+        assert sol.memory <= capacity
+        free = solve(build_problem(g, MeshSpec.create(**mesh), cluster))
+        assert free.memory > capacity and free.seconds < sol.seconds
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    spec = models.get("gpt-tiny")
+    return jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+
+
+def test_memory_capacity_changes_the_plan_and_gives_it_back(gpt_graph):
+    mesh = MeshSpec.create(d=8)
+    free = solve(build_problem(gpt_graph, mesh, "dgx2_v100"))
+    tight = solve(build_problem(gpt_graph, mesh, "dgx2_v100", capacity=0.7 * free.memory))
+    assert tight.choice != free.choice and tight.memory <= 0.7 * free.memory
+    assert tight.seconds > free.seconds
+    loose = solve(build_problem(gpt_graph, mesh, "dgx2_v100", capacity=2 * free.memory))
+    assert loose.choice == free.choice
+    with pytest.raises(jscaler.PlanError, match="no plan on mesh d=8 fits"):
+        solve(build_problem(gpt_graph, mesh, "dgx2_v100", capacity=1e4))
+
+
+def test_search_is_deterministic_and_clusters_repeated_layers(gpt_graph):
+    p = build_problem(gpt_graph, MeshSpec.create(d=8), "cpu")
+    assert len(p.clusters) < len(gpt_graph.ops) - len(gpt_graph.layers()[0].graph.ops)
+    assert solve(p).choice == solve(p).choice
+
+
+@pytest.mark.parametrize("mesh", [None, pytest.param({"a": 2, "b": 4}, marks=pytest.mark.slow)])
+def test_the_searched_plan_trains_like_one_device(gpt_graph, mesh):
+    space = intra_op(mesh, cluster="cpu", capacity=4e6)
+    plan = space(gpt_graph, 8)
+    problem, sol = plan.__dict__["search"]
+    splits = {s for c, s in enumerate(problem.strategies) for s in [s[sol.choice[c]]]}
+    assert len(splits) > 1  # different ops split differently: a mixed plan
+    assert_parity("gpt-tiny", space)
