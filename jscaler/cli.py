@@ -125,6 +125,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     ve.set_defaults(run=_verify)
 
+    pl = sub.add_parser(
+        "plan",
+        help="predict plans' step time and memory on a cluster, or search for the best",
+        description="Trace a reference model (no weights are made) and, for each --plan, "
+        "print the cost model's prediction on --devices devices of --cluster: step time, "
+        "MFU, memory per device (and whether it fits), collective bytes. --plan auto (the "
+        "default) runs the op-trans/op-assign ILP (CP-SAT) and prints the plan it picks. "
+        "Every figure is SIMULATED from the cost model, not measured.",
+    )
+    pl.add_argument("--model", required=True, help="a reference model, e.g. gpt-small")
+    pl.add_argument(
+        "--plan",
+        action="append",
+        default=None,
+        help='a space call (repeatable), e.g. --plan dp --plan "megatron(tp=8)"; "auto" '
+        "searches (default: auto)",
+    )
+    pl.add_argument(
+        "--devices", type=int, default=8, help="devices to plan for (default 8; none are used)"
+    )
+    pl.add_argument(
+        "--cluster",
+        default="dgx2_v100",
+        help="dgx2_v100 (default), dgx1_v100, a100_80g, h100_sxm or cpu",
+    )
+    pl.add_argument("--mesh", default=None, help='the searched mesh, e.g. "dp=2,tp=4"')
+    pl.add_argument(
+        "--capacity", type=float, default=None, help="GiB per device (default: the cluster's)"
+    )
+    pl.add_argument("--dtype", default="fp32", help="compute dtype for the peak (default fp32)")
+    pl.add_argument(
+        "--optimizer-slots",
+        type=int,
+        default=0,
+        help="fp32 optimizer values per parameter: 0 SGD (default), 2 Adam",
+    )
+    pl.add_argument("--explain", action="store_true", help="print the searched plan's splits")
+    pl.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    pl.set_defaults(run=_plan_cmd)
+
     la = sub.add_parser(
         "launch",
         help="run a jscaler command as N local processes of one JAX program",
@@ -238,16 +278,21 @@ def parse_plan(expr: str):
     import os
 
     from jscaler.errors import PlanError
+    from jscaler.search import intra_op
     from spaces import SPACES
 
     if os.path.exists(expr):
         return expr
-    expected = f'a call of one of {sorted(SPACES)} such as "megatron(tp=2)", or a plan JSON path'
-    name, args, kwargs = _parse_call(expr, "--plan", SPACES, PlanError, expected)
+    table = SPACES | {"intra_op": intra_op, "auto": intra_op}
+    expected = (
+        f'a call of one of {sorted(table)} such as "megatron(tp=2)", "auto" (searched), or '
+        f"a plan JSON path"
+    )
+    name, args, kwargs = _parse_call(expr, "--plan", table, PlanError, expected)
     if args is None:
-        return SPACES[name]()
+        return table[name]()
     try:
-        return SPACES[name](*args, **kwargs)
+        return table[name](*args, **kwargs)
     except TypeError as e:
         raise PlanError(f"--plan {expr!r}: {e}") from None
 
@@ -385,6 +430,104 @@ def _train(args) -> int:
         f"including compilation)"
     )
     return 0
+
+
+def _plan_cmd(args) -> int:
+    import time
+
+    import jax
+
+    import models
+    from jscaler import PipelinePlan, trace
+    from jscaler.cost import estimate, get_cluster
+    from jscaler.search import intra_op
+
+    spec = models.get(args.model)
+    batch = spec.batch(spec.batch_size, 0)
+    batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    graph = trace(spec.loss, _abstract_model(spec), batch, strict=False)
+    cluster = get_cluster(args.cluster)
+    capacity = args.capacity * 2**30 if args.capacity else cluster.memory
+    rows = []
+    for expr in args.plan or ["auto"]:
+        start = time.perf_counter()
+        if expr.strip() == "auto":
+            mesh = dict(_mesh_arg(args.mesh)) if args.mesh else None
+            space = intra_op(
+                mesh, cluster, capacity, args.dtype, optimizer_slots=args.optimizer_slots
+            )
+        else:
+            space = parse_plan(expr)
+        plan = space(graph, args.devices)
+        took = time.perf_counter() - start
+        if isinstance(plan, PipelinePlan):
+            rows.append({"plan": plan.name, "note": "pipeline plans: not estimated yet"})
+            continue
+        est = estimate(plan, cluster, dtype=args.dtype, optimizer_slots=args.optimizer_slots)
+        rows.append(
+            {
+                "plan": plan.name,
+                "step_ms": est.step_time * 1e3,
+                "mfu": est.mfu,
+                "memory_gib": est.memory["total"] / 2**30,
+                "fits": est.memory["total"] <= capacity,
+                "comm_mb": est.comm_bytes / 1e6,
+                "plan_s": took,
+            }
+        )
+        if args.explain and "search" in plan.__dict__:
+            problem, sol = plan.__dict__["search"]
+            print(_explain_search(problem, sol))
+    if args.json:
+        print(json.dumps({"model": spec.name, "cluster": cluster.name, "plans": rows}, indent=1))
+        return 0
+    print(
+        f"{spec.name} on {args.devices} x {cluster.name} ({args.dtype}), SIMULATED by the "
+        f"cost model; capacity {capacity / 2**30:.1f} GiB per device"
+    )
+    cols = ("step ms", 9), ("MFU", 6), ("GiB/dev", 8), ("fits", 5), ("comm MB", 9), ("plan s", 7)
+    head = f"{'plan':<34} " + " ".join(f"{c:>{w}}" for c, w in cols)
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if "note" in r:
+            print(f"{r['plan']:<34} {r['note']}")
+            continue
+        print(
+            f"{r['plan']:<34} {r['step_ms']:>9.2f} {r['mfu']:>6.1%} {r['memory_gib']:>8.2f} "
+            f"{'yes' if r['fits'] else 'NO':>5} {r['comm_mb']:>9.1f} {r['plan_s']:>7.1f}"
+        )
+    return 0
+
+
+def _mesh_arg(text: str):
+    from jscaler.errors import PlanError
+
+    try:
+        return [(k.strip(), int(v)) for k, v in (kv.split("=") for kv in text.split(","))]
+    except ValueError:
+        raise PlanError(f'--mesh {text!r}: expected axis=size pairs, e.g. "dp=2,tp=4"') from None
+
+
+def _explain_search(problem, sol) -> str:
+    """The searched strategy of each weight op cluster (and how many ops it stands for)."""
+    ops = {o.id: o for o in problem.graph.ops}
+    lines = [
+        f"searched on mesh {problem.mesh}: {len(problem.clusters)} clusters of "
+        f"{len(problem.graph.ops)} ops, {problem.size} strategies, {sol.status} in "
+        f"{sol.wall:.1f} s; contractions and lookups:"
+    ]
+    for c, ids in enumerate(problem.clusters):
+        op = ops[ids[0]]
+        if op.primitive not in ("dot_general", "conv_general_dilated", "gather"):
+            continue
+        strategy = problem.strategies[c][sol.choice[c]]
+        splits = ", ".join(
+            f"{a}: {d}={op.annotation.sizes[d]}" if d else f"{a}: whole"
+            for (a, _), d in zip(problem.mesh.axes, strategy)
+        )
+        lines.append(f"  {op.path or '(root)':<28} {str(op.annotation):<36} {splits}  x{len(ids)}")
+    return "\n".join(lines)
 
 
 def _verify(args) -> int:

@@ -79,7 +79,9 @@ def parallelize(
         ``jax.ShapeDtypeStruct``); each leaf is split on axis 0.
       devices: None (all), an int (the first N of ``jax.devices()``), or a list.
       plan: a space (``megatron(tp=4)`` from ``spaces``), a concrete :class:`Plan`, the
-        path of a plan's JSON, or ``"dp"`` (data parallelism, the default).
+        path of a plan's JSON, ``"dp"`` (data parallelism, the default), or ``"auto"``
+        (searched: ``jscaler.search.intra_op()``, the op-trans/op-assign ILP on one mesh
+        axis for the ``cpu`` cluster; pass ``intra_op(mesh=..., cluster=...)`` to choose).
       microbatches: gradient accumulation over this many micro-batches per step (the
         pipeline's micro-batches for a pipeline plan).
       schedule: for a pipeline plan (``megatron(pp=2)``): a function ``(groups,
@@ -184,11 +186,15 @@ def resolve_plan(plan, graph: Graph, n_devices: int) -> Plan:
     if isinstance(plan, str):
         if plan == "dp":
             return data_parallel(graph, n_devices)
+        if plan == "auto":  # the ILP's plan on one mesh axis, for this machine's devices
+            from jscaler.search import intra_op
+
+            return intra_op()(graph, n_devices)
         if os.path.exists(plan):
             with open(plan) as f:
                 return Plan.from_json(f.read(), graph)
         raise PlanError(
-            f"plan={plan!r} is neither 'dp' nor a plan JSON file; pass a space such as "
+            f"plan={plan!r} is neither 'dp', 'auto' nor a plan JSON file; pass a space such as "
             f"spaces.megatron(tp=2) or a Plan"
         )
     if callable(plan):
