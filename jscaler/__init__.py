@@ -13,6 +13,10 @@ The public API, exported once here::
 
 from jscaler.compile.attention import AttentionRegion as AttentionRegion
 from jscaler.compile.attention import find_attention as find_attention
+from jscaler.cost import CLUSTERS as CLUSTERS
+from jscaler.cost import Cluster as Cluster
+from jscaler.cost import Estimate as Estimate
+from jscaler.cost import estimate as estimate
 from jscaler.errors import AnnotationError as AnnotationError
 from jscaler.errors import AssignmentError as AssignmentError
 from jscaler.errors import CoverageError as CoverageError
@@ -67,63 +71,69 @@ from jscaler.runtime import Space as Space
 from jscaler.runtime import Trainer as Trainer
 from jscaler.runtime import parallelize as parallelize
 from jscaler.runtime import spmd_pipeline as spmd_pipeline
+from jscaler.search import intra_op as intra_op
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "simulate",
-    "ScheduleError",
-    "Schedule",
-    "Block",
-    "stage_of_ops",
-    "one_f_one_b",
-    "order_schedule",
-    "StageGroup",
-    "PipelineTrainer",
-    "PipelinePlan",
     "Annotation",
     "AnnotationError",
-    "AttentionRegion",
     "AssignmentError",
+    "AttentionRegion",
+    "Block",
+    "check_annotations",
+    "Cluster",
+    "CLUSTERS",
     "Coverage",
     "CoverageError",
     "CycleError",
+    "data_parallel",
+    "decouple",
     "DimClasses",
+    "Estimate",
+    "estimate",
+    "find_attention",
     "Graph",
+    "intra_op",
     "JscalerError",
     "Layer",
     "LayoutError",
+    "manual",
     "Mask",
     "MaskError",
     "MeshSpec",
     "Node",
+    "one_f_one_b",
     "Op",
-    "PTensor",
-    "Plan",
-    "PlanError",
-    "Region",
-    "Space",
-    "SplitError",
-    "SubOp",
-    "Tensor",
-    "TraceError",
-    "Trainer",
-    "UnsupportedOpError",
-    "VTensor",
-    "check_annotations",
-    "data_parallel",
-    "decouple",
-    "find_attention",
-    "manual",
     "op_assign",
     "op_order",
     "op_trans",
+    "order_schedule",
     "parallelize",
+    "PipelinePlan",
+    "PipelineTrainer",
+    "Plan",
+    "PlanError",
+    "PTensor",
     "recompute",
+    "Region",
     "register_op",
     "replicate",
+    "Schedule",
+    "ScheduleError",
+    "simulate",
+    "Space",
     "split",
+    "SplitError",
     "spmd_pipeline",
+    "stage_of_ops",
+    "StageGroup",
+    "SubOp",
+    "Tensor",
     "trace",
+    "TraceError",
+    "Trainer",
+    "UnsupportedOpError",
     "validate",
+    "VTensor",
 ]

@@ -161,6 +161,13 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="fp32 optimizer values per parameter: 0 SGD (default), 2 Adam",
     )
+    pl.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches of a pipeline plan (default 2 x its stage groups); the model's "
+        "batch size is one micro-batch",
+    )
     pl.add_argument("--explain", action="store_true", help="print the searched plan's splits")
     pl.add_argument("--json", action="store_true", help="print the predictions as JSON")
     pl.set_defaults(run=_plan_cmd)
@@ -439,7 +446,7 @@ def _plan_cmd(args) -> int:
 
     import models
     from jscaler import PipelinePlan, trace
-    from jscaler.cost import estimate, get_cluster
+    from jscaler.cost import estimate, estimate_pipeline, get_cluster
     from jscaler.search import intra_op
 
     spec = models.get(args.model)
@@ -460,18 +467,23 @@ def _plan_cmd(args) -> int:
             space = parse_plan(expr)
         plan = space(graph, args.devices)
         took = time.perf_counter() - start
+        kw = {"dtype": args.dtype, "optimizer_slots": args.optimizer_slots}
+        m = 1
         if isinstance(plan, PipelinePlan):
-            rows.append({"plan": plan.name, "note": "pipeline plans: not estimated yet"})
-            continue
-        est = estimate(plan, cluster, dtype=args.dtype, optimizer_slots=args.optimizer_slots)
+            m = args.microbatches or 2 * plan.pipeline_groups
+            est = estimate_pipeline(plan, cluster, microbatches=m, **kw)
+        else:
+            est = estimate(plan, cluster, **kw)
         rows.append(
             {
                 "plan": plan.name,
+                "batch": spec.batch_size * m,
                 "step_ms": est.step_time * 1e3,
                 "mfu": est.mfu,
                 "memory_gib": est.memory["total"] / 2**30,
                 "fits": est.memory["total"] <= capacity,
                 "comm_mb": est.comm_bytes / 1e6,
+                "bubble": est.bubble,
                 "plan_s": took,
             }
         )
@@ -483,18 +495,21 @@ def _plan_cmd(args) -> int:
         return 0
     print(
         f"{spec.name} on {args.devices} x {cluster.name} ({args.dtype}), SIMULATED by the "
-        f"cost model; capacity {capacity / 2**30:.1f} GiB per device"
+        f"cost model; capacity {capacity / 2**30:.1f} GiB per device; batch: samples per "
+        f"step (a pipeline's micro-batches each take the model's batch size)"
     )
-    cols = ("step ms", 9), ("MFU", 6), ("GiB/dev", 8), ("fits", 5), ("comm MB", 9), ("plan s", 7)
+    cols = (
+        ("batch", 6), ("step ms", 9), ("MFU", 6), ("bubble", 7), ("GiB/dev", 8), ("fits", 5),
+        ("comm MB", 9), ("plan s", 7),
+    )  # fmt: skip
     head = f"{'plan':<34} " + " ".join(f"{c:>{w}}" for c, w in cols)
     print(head)
     print("-" * len(head))
     for r in rows:
-        if "note" in r:
-            print(f"{r['plan']:<34} {r['note']}")
-            continue
         print(
-            f"{r['plan']:<34} {r['step_ms']:>9.2f} {r['mfu']:>6.1%} {r['memory_gib']:>8.2f} "
+            f"{r['plan']:<34} {r['batch']:>6} {r['step_ms']:>9.2f} {r['mfu']:>6.1%} "
+            f"{r['bubble']:>7.1%} "
+            f"{r['memory_gib']:>8.2f} "
             f"{'yes' if r['fits'] else 'NO':>5} {r['comm_mb']:>9.1f} {r['plan_s']:>7.1f}"
         )
     return 0

@@ -16,10 +16,9 @@ from schedules.classic import _args
 F, B = Block.F, Block.B
 
 
-def table4_1f1b(p: int, m: int) -> Schedule:
-    """1F1B from table 4: forwards in order, backwards in order, ``ofst`` warm-up
-    forwards before the first backward, then one forward after each backward."""
-    _args(p, m, "table4_1f1b")
+def rules_1f1b(p: int):
+    """Table 4's rules for ``p`` stages: forwards in order, backwards in order, ``ofst``
+    warm-up forwards before the first backward, then one forward after each backward."""
 
     def rules(s, i):
         ofst = p - 1 - s
@@ -28,14 +27,13 @@ def table4_1f1b(p: int, m: int) -> Schedule:
         yield F(s, i + ofst), B(s, i)
         yield B(s, i), F(s, i + ofst + 1)
 
-    return order_schedule("table4_1f1b", p, m, rules)
+    return rules
 
 
-def table7_3f1b(p: int, m: int) -> Schedule:
-    """3F1B from table 7: pass k+1 of micro-batch i after pass k of micro-batch i+1, the
-    backward of i after the last forward of ``i + ofst``, and the first forward of
-    ``i + ofst + 3`` after that backward."""
-    _args(p, m, "table7_3f1b")
+def rules_3f1b(p: int):
+    """Table 7's rules for ``p`` stages: pass k+1 of micro-batch i after pass k of
+    micro-batch i+1, the backward of i after the last forward of ``i + ofst``, and the
+    first forward of ``i + ofst + 3`` after that backward."""
 
     def rules(s, i):
         ofst = p - 1 - s
@@ -47,4 +45,16 @@ def table7_3f1b(p: int, m: int) -> Schedule:
         yield F(s, i + ofst, 2), B(s, i)
         yield B(s, i), F(s, i + ofst + 3, 0)
 
-    return order_schedule("table7_3f1b", p, m, rules, passes=3)
+    return rules
+
+
+def table4_1f1b(p: int, m: int) -> Schedule:
+    """1F1B from table 4 (:func:`rules_1f1b`)."""
+    _args(p, m, "table4_1f1b")
+    return order_schedule("table4_1f1b", p, m, rules_1f1b(p))
+
+
+def table7_3f1b(p: int, m: int) -> Schedule:
+    """3F1B from table 7 (:func:`rules_3f1b`)."""
+    _args(p, m, "table7_3f1b")
+    return order_schedule("table7_3f1b", p, m, rules_3f1b(p), passes=3)

@@ -5,7 +5,7 @@ command line accepts (``--plan "megatron(tp=2, dp=4)"``) to the functions making
 """
 
 from spaces.alphafold import alphafold_3f1b
-from spaces.baselines import deepspeed, megatron_3d
+from spaces.baselines import alpa_like, deepspeed, megatron_3d
 from spaces.coshard import coshard
 from spaces.dap import dap
 from spaces.dp import dp
@@ -15,6 +15,7 @@ from spaces.sequence import ring, ulysses, usp
 from spaces.zero import zero
 
 SPACES = {
+    "alpa_like": alpa_like,
     "alphafold_3f1b": alphafold_3f1b,
     "coshard": coshard,
     "dap": dap,
@@ -31,6 +32,7 @@ SPACES = {
 
 __all__ = [
     "SPACES",
+    "alpa_like",
     "alphafold_3f1b",
     "coshard",
     "dap",

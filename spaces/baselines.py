@@ -1,10 +1,15 @@
-"""The systems nnScaler is compared with, as spaces: Megatron-LM 3-D and DeepSpeed.
+"""The systems nnScaler is compared with, as spaces: Megatron-LM 3-D, DeepSpeed, Alpa.
 
 * ``megatron_3d(tp, pp, dp)``: Megatron-LM's plan: data x tensor x pipeline parallelism
   with the repeated layers split evenly over the pipeline stages (1F1B).
 * ``deepspeed(tp, dp)``: DeepSpeed ZeRO-3 over the data-parallel devices, on top of
   Megatron tensor parallelism (each device's tensor-parallel shard of every parameter,
   gradient and optimizer state split further over dp, gathered for use).
+* ``alpa_like(pp, cluster)``: Alpa's plan as the paper ran it: the repeated layers in ``pp``
+  even stages, and inside each stage's devices the intra-operator plan an ILP picks
+  (``jscaler.intra_op``: every op's split chosen by CP-SAT from the cost model of
+  ``cluster``). Alpa also slices stages by dynamic programming; the paper's baseline
+  configuration used even stages, as here.
 
 Both are written with the spaces they are made of; a bare name picks defaults for the
 device count (``megatron_3d``: tp=2, pp=2, the rest data parallel; ``deepspeed``: tp=2).
@@ -12,7 +17,10 @@ device count (``megatron_3d``: tp=2, pp=2, the rest data parallel; ``deepspeed``
 
 from __future__ import annotations
 
-from spaces.megatron import megatron
+from dataclasses import dataclass, replace
+
+import jscaler
+from spaces.megatron import megatron, pipeline
 
 
 def megatron_3d(tp: int = 2, pp: int = 2, dp: int | None = None, recompute: float = 0):
@@ -24,3 +32,35 @@ def megatron_3d(tp: int = 2, pp: int = 2, dp: int | None = None, recompute: floa
 def deepspeed(tp: int = 2, dp: int | None = None, recompute: float = 0):
     """DeepSpeed: ZeRO-3 over ``dp`` on top of Megatron tensor parallelism ``tp``."""
     return megatron(tp=tp, dp=dp, zero=3, recompute=recompute)
+
+
+@dataclass(frozen=True)
+class AlpaLike:
+    pp: int = 1
+    cluster: str = "cpu"
+    mesh: tuple = ()
+    capacity: float | None = None
+
+    def __call__(self, graph: jscaler.Graph, n_devices: int):
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
+            raise jscaler.PlanError(f"alpa_like: pp must be a positive int, got {self.pp!r}")
+        if n_devices % self.pp:
+            raise jscaler.PlanError(
+                f"alpa_like(pp={self.pp}) needs a device count divisible by pp; got {n_devices}"
+            )
+        inner = jscaler.intra_op(dict(self.mesh) or None, self.cluster, self.capacity)
+        if self.pp == 1:
+            plan = inner(graph, n_devices)
+            return plan.evolve(name=f"alpa_like({plan.name})")
+        plan = pipeline(graph, inner, self.pp, n_devices)
+        inner_name = plan.groups[0].plan.name
+        return replace(plan, name=f"alpa_like(pp={self.pp}, {inner_name})")
+
+
+def alpa_like(
+    pp: int = 1, cluster: str = "cpu", mesh: dict | None = None, capacity: float | None = None
+) -> AlpaLike:
+    """Alpa: ``pp`` even pipeline stages, each stage's devices running the op-trans /
+    op-assign ILP's plan for ``cluster`` (on ``mesh``, default one axis over the stage's
+    devices)."""
+    return AlpaLike(pp, cluster, tuple((mesh or {}).items()), capacity)

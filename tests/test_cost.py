@@ -60,3 +60,27 @@ def test_predicted_memory_against_xla(gpt, space):
     assert 0.5 < working / ma.temp_size_in_bytes < 2.0  # liveness is XLA's; an estimate
     assert est.comm_bytes == trainer.comm_table().total_bytes
     assert 0 < est.mfu <= est.hfu < 1 and est.step_time >= est.compute
+
+
+def test_pipeline_estimate_runs_the_schedule_on_stage_costs(gpt):
+    from jscaler.cost import estimate_pipeline
+    from spaces import alpa_like, megatron
+
+    spec, batch = gpt
+    graph = jscaler.trace(spec.loss, spec.init(0), batch)
+    plan = megatron(pp=2)(graph, 8)
+    one = estimate_pipeline(plan, "dgx2_v100", microbatches=1)
+    many = estimate_pipeline(plan, "dgx2_v100", microbatches=8)
+    # one micro-batch runs the stages one after the other: half the devices idle
+    assert one.bubble == pytest.approx(0.5, abs=0.1)
+    assert many.bubble < one.bubble / 2  # 1F1B fills the pipeline with micro-batches
+    assert many.step_time < 8 * one.step_time
+    # 1F1B keeps 2 micro-batches in flight on stage 0 whatever m is: memory stays
+    assert many.memory["activations"] == pytest.approx(
+        estimate_pipeline(plan, "dgx2_v100", microbatches=4).memory["activations"]
+    )
+    spans = many.timeline.spans
+    assert {b.kind for b in spans} == {"F", "B"} and len(spans) == 2 * 2 * 8
+    alpa = alpa_like(pp=2, cluster="dgx2_v100")(graph, 8)
+    assert isinstance(alpa, jscaler.PipelinePlan) and alpa.name.startswith("alpa_like(pp=2")
+    assert estimate_pipeline(alpa, "dgx2_v100", microbatches=8).step_time > 0

@@ -13,3 +13,4 @@ from jscaler.cost.cluster import get_cluster as get_cluster
 from jscaler.cost.collective import collective_time as collective_time
 from jscaler.cost.estimate import Estimate as Estimate
 from jscaler.cost.estimate import estimate as estimate
+from jscaler.cost.pipeline import estimate_pipeline as estimate_pipeline

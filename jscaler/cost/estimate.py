@@ -65,6 +65,8 @@ class Estimate:
     model_flops: float = 0.0
     hardware_flops: float = 0.0
     peak: float = 0.0
+    bubble: float = 0.0  # pipelines: the idle fraction of device-time
+    timeline: object = field(default=None, repr=False, compare=False)
 
     @property
     def mfu(self) -> float:
@@ -137,7 +139,6 @@ def estimate(
     """
     cl = get_cluster(cluster)
     peak = cl.peak(dtype)
-    roof = peak * cl.efficiency
     pg = plan.pgraph
     g = pg.graph
     mesh = plan.mesh
@@ -146,32 +147,15 @@ def estimate(
     needs = needs_grad(g)
     recomputed = {o for grp in plan.recompute for o in grp}
 
+    times = device_times(plan, cl, dtype, needs, recomputed)
     fwd = {d: 0.0 for d in mesh.devices}
     bwd = dict(fwd)
-    model_flops = hardware = 0.0
-    for op in g.ops:
-        factor = _bwd_factor(op, needs)
-        again = 1.0 if op.id in recomputed else 0.0
-        model_flops += op.flops * (1 + factor)
-        hardware += op.flops * (1 + factor + again)
-        nbytes = sum(
-            math.prod(g.tensors[t].shape) * jnp.dtype(g.tensors[t].dtype).itemsize
-            for t in (*op.tensor_inputs, *op.outputs)
-        )
-        tree = plan.tree(op.id)
-        for path, leaf in tree.leaves():
-            share = _share(tree, path)
-            t = max(op.flops * share / roof, nbytes * share / cl.memory_bandwidth)
-            dev = leaf.device if leaf.device is not None else mesh.devices[0]
-            fwd[dev] += t
-            bwd[dev] += t * (factor + again)
-    for vop in (*pg.grad_ops, *pg.update_ops):  # optimizer-side ops: elementwise, memory bound
-        tree = plan.tree(vop.id)
-        t0 = vop.inputs[0]
-        nbytes = 3 * math.prod(g.tensors[t0].shape) * jnp.dtype(g.tensors[t0].dtype).itemsize
-        for path, leaf in tree.leaves():
-            dev = leaf.device if leaf.device is not None else mesh.devices[0]
-            bwd[dev] += nbytes * _share(tree, path) / cl.memory_bandwidth
+    for f, b in times.values():
+        for d, t in f.items():
+            fwd[d] += t
+        for d, t in b.items():
+            bwd[d] += t
+    model_flops, hardware = flops_of(g, needs, recomputed)
     m = microbatches
     compute = max(m * (fwd[d] + bwd[d]) for d in mesh.devices)
     bwd_time = max(m * bwd[d] for d in mesh.devices)
@@ -204,6 +188,53 @@ def estimate(
         hardware * m,
         peak,
     )
+
+
+def flops_of(g, needs, recomputed, ops=None) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one forward + backward of ``ops`` (default all)."""
+    model = hardware = 0.0
+    for op in ops if ops is not None else g.ops:
+        factor = _bwd_factor(op, needs)
+        model += op.flops * (1 + factor)
+        hardware += op.flops * (1 + factor + (1.0 if op.id in recomputed else 0.0))
+    return model, hardware
+
+
+def device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed) -> dict:
+    """op id -> ({device: forward seconds}, {device: backward seconds}) on the roofline,
+    recomputation counted in the backward; optimizer-side ops (gradient, update) under
+    their own ids, in the backward."""
+    roof = cl.peak(dtype) * cl.efficiency
+    pg = plan.pgraph
+    g = pg.graph
+    default = plan.mesh.devices[0]
+    out = {}
+    for op in g.ops:
+        factor = _bwd_factor(op, needs)
+        again = 1.0 if op.id in recomputed else 0.0
+        nbytes = sum(
+            math.prod(g.tensors[t].shape) * jnp.dtype(g.tensors[t].dtype).itemsize
+            for t in (*op.tensor_inputs, *op.outputs)
+        )
+        tree = plan.tree(op.id)
+        f, b = {}, {}
+        for path, leaf in tree.leaves():
+            share = _share(tree, path)
+            t = max(op.flops * share / roof, nbytes * share / cl.memory_bandwidth)
+            dev = leaf.device if leaf.device is not None else default
+            f[dev] = f.get(dev, 0.0) + t
+            b[dev] = b.get(dev, 0.0) + t * (factor + again)
+        out[op.id] = (f, b)
+    for vop in (*pg.grad_ops, *pg.update_ops):  # elementwise, memory bound
+        tree = plan.tree(vop.id)
+        t0 = vop.inputs[0]
+        nbytes = 3 * math.prod(g.tensors[t0].shape) * jnp.dtype(g.tensors[t0].dtype).itemsize
+        b = {}
+        for path, leaf in tree.leaves():
+            dev = leaf.device if leaf.device is not None else default
+            b[dev] = b.get(dev, 0.0) + nbytes * _share(tree, path) / cl.memory_bandwidth
+        out[vop.id] = ({}, b)
+    return out
 
 
 def _share(tree, path) -> float:

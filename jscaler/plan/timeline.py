@@ -68,16 +68,18 @@ def unit_costs(split_backward: bool) -> dict[str, float]:
 
 
 def simulate(schedule: Schedule, cost=None) -> Timeline:
-    """Times every block of a checked schedule (``cost``: kind -> duration)."""
+    """Times every block of a checked schedule (``cost``: kind -> duration, or a
+    function ``block -> duration``, e.g. per stage from the cost model)."""
     if cost is None:
         cost = unit_costs(schedule.split_backward)
+    duration = cost if callable(cost) else (lambda b: cost[b.kind])
     free = [0.0] * len(schedule.groups)
     spans: dict[Block, tuple[float, float]] = {}
     for rnd in schedule.order():
         for b in rnd:
             waits, holds = occupies(schedule.placement[b.stage], len(free), schedule.whole)
             start = max([*(free[k] for k in waits), *(spans[d][1] for d in schedule.deps(b))])
-            spans[b] = (start, start + cost[b.kind])
+            spans[b] = (start, start + duration(b))
             for k in holds:
-                free[k] = start + cost[b.kind]
+                free[k] = spans[b][1]
     return Timeline(schedule, spans)

@@ -2,8 +2,9 @@
 
 Owns :func:`build_problem` (strategies, node/edge costs and memory from the cost model),
 :func:`solve` (CP-SAT, deterministic), :func:`brute_force` (the check on small graphs),
-:func:`to_plan` and the space-like :func:`intra_op`. Imports ``jscaler.cost``,
-``jscaler.plan``, ``jscaler.compile`` and ``jscaler.ir``.
+:func:`to_plan` and the space-like :func:`intra_op`; and :func:`search_order`, the
+op-order search over pipeline blocks (CP-SAT scheduling under a memory bound).
+Imports ``jscaler.cost``, ``jscaler.plan``, ``jscaler.compile`` and ``jscaler.ir``.
 """
 
 from jscaler.search.auto import IntraOp as IntraOp
@@ -12,6 +13,8 @@ from jscaler.search.ilp import Solution as Solution
 from jscaler.search.ilp import brute_force as brute_force
 from jscaler.search.ilp import solve as solve
 from jscaler.search.ilp import to_plan as to_plan
+from jscaler.search.order import OrderResult as OrderResult
+from jscaler.search.order import search_order as search_order
 from jscaler.search.problem import Problem as Problem
 from jscaler.search.problem import build_problem as build_problem
 from jscaler.search.problem import objective as objective

@@ -1,0 +1,223 @@
+"""Predicted step of a pipeline plan: per-stage block costs on the schedule's timeline.
+
+Stages are cut as the runtime cuts them (``pass_of_ops``, ``stage_of_ops``); stage ``s``
+runs on group ``placement[s]`` under that group's plan. A block's duration is its stage's
+share of the cost model on the group's slowest device: ``F`` (pass k) the forward of the
+stage's ops of pass k plus their forward collectives and the point-to-point receives of
+their inputs from other groups; ``B`` the backward (recomputation included) plus the
+backward collectives and the sends of the input gradients back; with a split backward,
+``B`` and ``W`` take half each; ``R`` a forward again. The schedule is simulated with these
+durations (:func:`jscaler.simulate`); the step is the makespan plus the optimizer-side
+collectives. Memory per device: the parameter state of its group's stages plus each
+stage's kept activations times the micro-batches the schedule holds in flight there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jscaler.compile.comm import comm_table
+from jscaler.compile.lower import lower
+from jscaler.cost.cluster import Cluster, get_cluster
+from jscaler.cost.collective import collective_time
+from jscaler.cost.estimate import (
+    Estimate,
+    device_times,
+    flops_of,
+    needs_grad,
+    saved_for_backward,
+)
+from jscaler.errors import ScheduleError
+from jscaler.ir.graph import Literal
+from jscaler.plan.pipeline import PipelinePlan, pass_of_ops, stage_of_ops
+from jscaler.plan.schedule import Schedule, one_f_one_b
+from jscaler.plan.timeline import simulate
+
+__all__ = ["estimate_pipeline"]
+
+
+def _schedule(plan: PipelinePlan, schedule, microbatches: int) -> Schedule:
+    schedule = schedule or plan.schedule or one_f_one_b
+    if callable(schedule) and not isinstance(schedule, Schedule):
+        schedule = schedule(plan.pipeline_groups, microbatches)
+    if not isinstance(schedule, Schedule):
+        raise ScheduleError(f"schedule must be a Schedule or a function, got {schedule!r}")
+    return schedule
+
+
+def estimate_pipeline(
+    plan: PipelinePlan,
+    cluster: str | Cluster = "cpu",
+    *,
+    microbatches: int,
+    schedule=None,
+    dtype: str = "fp32",
+    optimizer_slots: int = 0,
+    algorithm: str = "ring",
+) -> Estimate:
+    """Predicts a pipeline plan's step (see the module doc); ``schedule``: a Schedule or
+    a function ``(groups, microbatches) -> Schedule`` (default the plan's own, else 1F1B)."""
+    cl = get_cluster(cluster)
+    sched = _schedule(plan, schedule, microbatches)
+    g = plan.graph
+    pass_of = pass_of_ops(g, sched.passes)
+    stage_of = stage_of_ops(g, sched.stages, plan.cuts, pass_of)
+    last = sched.passes - 1
+    needs = needs_grad(g)
+    fwd_cost: dict[tuple[int, int], float] = {}  # (stage, pass) -> seconds
+    bwd_cost: dict[int, float] = {}
+    update: dict[int, float] = {}  # group -> optimizer-side collectives
+    memory: dict[int, dict] = {}
+    moved: dict[int, int] = {}  # group -> collective bytes per device per step
+    hardware = 0.0
+    producer = {t: o for o in g.ops for t in o.outputs}
+    first_user = {}
+    for o in g.ops:
+        if o.id in stage_of:
+            for t in o.tensor_inputs:
+                first_user.setdefault(t, o)
+    low_of = {}
+    for gi, group in enumerate(plan.groups):
+        gp = group.plan
+        low = low_of[gi] = lower(gp, None)
+        recomputed = {o for grp in gp.recompute for o in grp}
+        times = device_times(gp, cl, dtype, needs, recomputed)
+        mesh = gp.mesh
+        stages = [s for s in range(sched.stages) if sched.placement[s] == gi]
+
+        def where(t):
+            op = producer.get(t)
+            if op is None or op.id not in stage_of:
+                op = first_user.get(t)
+            return (stage_of[op.id], pass_of[op.id]) if op is not None else (None, None)
+
+        for s in stages:
+            for k in range(sched.passes):
+                ops = [o for o in g.ops if stage_of.get(o.id) == s and pass_of[o.id] == k]
+                f = {d: 0.0 for d in mesh.devices}
+                b = dict(f)
+                for o in ops:
+                    for d, t in times[o.id][0].items():
+                        f[d] += t
+                    if k == last:
+                        for d, t in times[o.id][1].items():
+                            b[d] += t
+                fwd_cost[s, k] = max(f.values())
+                if k == last:
+                    bwd_cost[s] = max(b.values())
+                    hardware += flops_of(g, needs, recomputed, ops)[1]
+                else:
+                    hardware += sum(o.flops for o in ops)
+        rows = comm_table(low, 1).rows
+        moved[gi] = sum(r.bytes * (1 if r.phase == "update" else microbatches) for r in rows)
+        for r in rows:
+            fixed = {a: 0 for a in mesh.names if a not in r.axes}
+            t = collective_time(r.collective, r.bytes, mesh.group(**fixed), cl, algorithm)
+            s, k = where(r.tensor)
+            if r.phase == "update" or s is None or sched.placement[s] != gi:
+                update[gi] = update.get(gi, 0.0) + t
+            elif r.phase == "backward":
+                bwd_cost[s] = bwd_cost.get(s, 0.0) + t
+            else:
+                fwd_cost[s, k] = fwd_cost.get((s, k), 0.0) + t
+        memory[gi] = _group_memory(
+            gp, low, g, stages, stage_of, pass_of, last, sched, optimizer_slots
+        )
+
+    # point-to-point: a value crossing groups is received before the consumer's forward
+    # and its gradient sent back before the producer's backward ends
+    for o in g.ops:
+        if o.id not in stage_of:
+            continue
+        dst = (stage_of[o.id], pass_of[o.id])
+        for x in o.tensor_inputs:
+            op = producer.get(x)
+            if op is None or op.id not in stage_of:
+                continue
+            src = (stage_of[op.id], pass_of[op.id])
+            ga, gb = sched.placement[src[0]], sched.placement[dst[0]]
+            if ga == gb:
+                continue
+            devs = [*plan.groups[ga].devices[:1], *plan.groups[gb].devices[:1]]
+            tensor = g.tensors[x]
+            nbytes = math.prod(tensor.shape) * jnp.dtype(tensor.dtype).itemsize
+            nbytes /= len(plan.groups[gb].devices)
+            t = collective_time("send", nbytes, devs, cl)
+            fwd_cost[dst] = fwd_cost.get(dst, 0.0) + t
+            if x in needs and src[1] == last:
+                bwd_cost[src[0]] = bwd_cost.get(src[0], 0.0) + t
+
+    split = sched.split_backward
+
+    def duration(b) -> float:
+        if b.kind in ("F", "R"):
+            return fwd_cost.get((b.stage, b.pass_ if b.kind == "F" else last), 0.0)
+        return bwd_cost.get(b.stage, 0.0) * (0.5 if split else 1.0)
+
+    timeline = simulate(sched, duration)
+    step = timeline.makespan + max(update.values(), default=0.0)
+    busy = max(timeline.busy(gi) for gi in range(len(plan.groups)) if gi not in sched.whole)
+    model, _ = flops_of(g, needs, set(), [o for o in g.ops if pass_of[o.id] == last])
+    model += sum(o.flops for o in g.ops if pass_of[o.id] != last)
+    worst = max(memory.values(), key=lambda m: m["total"])
+    n_devices = len(plan.devices)
+    total_comm = sum(update.values())
+    return Estimate(
+        plan.name or "pipeline",
+        cl.name,
+        n_devices,
+        busy,
+        total_comm,
+        max(0.0, step - busy),
+        step,
+        worst,
+        max(moved.values(), default=0),
+        model * microbatches,
+        hardware * microbatches,
+        cl.peak(dtype),
+        timeline.bubble(),
+        timeline,
+    )
+
+
+def _group_memory(gp, low, g, stages, stage_of, pass_of, last, sched, slots) -> dict:
+    sizes = gp.mesh.shape
+
+    def size(t, layout):
+        tensor = g.tensors[t]
+        n = math.prod(sizes[a] for axes in layout.spec for a in axes) if layout else 1
+        return math.prod(tensor.shape) * jnp.dtype(tensor.dtype).itemsize / n
+
+    mine = [o for o in g.ops if stage_of.get(o.id) in stages]
+    read = {x for o in mine for x in o.tensor_inputs}
+    params = [t for t in low.update if t in read]
+    p_bytes = sum(size(t, low.storage[t]) for t in params)
+    grads = sum(size(t, low.grad[t]) for t in params)
+    opt = slots * sum(size(t, low.update[t]) for t in params)
+    batch = sum(
+        size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch" and t in read
+    )
+    recomputed = {o for grp in gp.recompute for o in grp}
+    saved = saved_for_backward(g, recomputed)
+    flight = sched.in_flight()
+    acts = 0.0
+    for s in stages:
+        outs = [
+            (t, lay)
+            for o in mine
+            if stage_of[o.id] == s and pass_of[o.id] == last
+            for t, lay in zip(o.outputs, low.ops[o.id].outputs)
+            if t in saved and not isinstance(t, Literal)
+        ]
+        acts += flight[s] * sum(size(t, lay) for t, lay in outs)
+    total = p_bytes + grads + opt + batch + acts
+    return {
+        "params": p_bytes,
+        "grads": grads,
+        "optimizer": opt,
+        "batch": batch,
+        "activations": acts,
+        "total": total,
+    }
