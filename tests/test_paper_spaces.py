@@ -105,8 +105,12 @@ MODEL_SPACES = [
     ("alphafold2-tiny", "megatron_3d"),
     ("alphafold2-tiny", "deepspeed"),
     ("alphafold2-tiny", "alphafold_3f1b(pp=2, dap=2)"),
+    ("t5-tiny", "alpa_like(pp=2)"),
+    ("swin-tiny", "alpa_like(pp=2)"),
+    ("alphafold2-tiny", "alpa_like(pp=2)"),
 ]
 SLOW = {
+    ("alphafold2-tiny", "alpa_like(pp=2)"),
     ("alphafold2-tiny", "alphafold_3f1b(pp=2, dap=2)"),
     ("alphafold2-tiny", "megatron_3d"),
     ("alphafold2-tiny", "deepspeed"),
