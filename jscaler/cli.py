@@ -46,9 +46,10 @@ def _add_pipeline(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule",
         default=None,
-        help="pipeline schedule for a plan with pp > 1: gpipe, one_f_one_b (default), "
-        "interleaved_1f1b, zero_bubble, three_f_one_b, interlaced; arguments as in "
-        '"interleaved_1f1b(chunks=2)"',
+        help="pipeline schedule for a plan with pp > 1: gpipe, one_f_one_b, "
+        "interleaved_1f1b, zero_bubble, three_f_one_b, interlaced, interlaced_head, "
+        "table4_1f1b, table7_3f1b; arguments as in "
+        '"interleaved_1f1b(chunks=2)" (default: the plan\'s own, else one_f_one_b)',
     )
 
 
@@ -238,8 +239,8 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule",
         required=True,
         metavar="NAME",
-        help="gpipe, one_f_one_b, interleaved_1f1b, zero_bubble, three_f_one_b; arguments "
-        'as in "interleaved_1f1b(chunks=2)"',
+        help="gpipe, one_f_one_b, interleaved_1f1b, zero_bubble, three_f_one_b, interlaced, "
+        'interlaced_head, table4_1f1b, table7_3f1b; arguments as in "interleaved_1f1b(chunks=2)"',
     )
     vz.add_argument(
         "--stages",

@@ -4,7 +4,7 @@
 """
 
 from schedules.classic import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble
-from schedules.interlaced import interlaced
+from schedules.interlaced import interlaced, interlaced_head
 from schedules.tables import table4_1f1b, table7_3f1b
 from schedules.three_f_one_b import three_f_one_b
 
@@ -15,6 +15,7 @@ SCHEDULES = {
     "zero_bubble": zero_bubble,
     "three_f_one_b": three_f_one_b,
     "interlaced": interlaced,
+    "interlaced_head": interlaced_head,
     "table4_1f1b": table4_1f1b,
     "table7_3f1b": table7_3f1b,
 }
@@ -23,6 +24,7 @@ __all__ = [
     "SCHEDULES",
     "gpipe",
     "interlaced",
+    "interlaced_head",
     "interleaved_1f1b",
     "one_f_one_b",
     "table4_1f1b",

@@ -4,9 +4,11 @@ A huge embedding table does not fit one pipeline stage, and splitting it by voca
 over a stage's few devices leaves the other stages idle while it runs. Here stage 0 holds
 only the ops before the first repeated layer (the embedding lookup), on a group spanning
 all devices with the table split by vocabulary over all of them; the layers are cut into
-``pp`` balanced stages on disjoint groups, each under ``megatron(tp, dp)``. Run it with the
-``interlaced`` schedule (the plan's own: used when none is given), which time-shares
-the devices between the two.
+``pp`` balanced stages on disjoint groups, each under ``megatron(tp, dp)``. With
+``head=True`` (the default) the ops after the last layer (the tied LM head, reading the
+same table, and the loss) form a last stage on the all-device group too, as the paper
+places them. The plan's own schedule (used when none is given) is ``interlaced_head``
+(or ``interlaced`` without the head stage), which time-shares the devices.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import jscaler
 from jscaler.plan import DimClasses, MeshSpec, Plan, assign_mesh, split_classes
 from schedules.interlaced import interlaced as interlaced_schedule
+from schedules.interlaced import interlaced_head
 from spaces.megatron import megatron, tp_seeds
 
 
@@ -25,6 +28,7 @@ class Interlaced:
     tp: int = 1
     dp: int | None = None
     precision: str = "fp32"
+    head: bool = True
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> jscaler.PipelinePlan:
         if self.pp < 1 or n_devices % self.pp:
@@ -47,9 +51,21 @@ class Interlaced:
             jscaler.StageGroup(range(k * size, (k + 1) * size), inner) for k in range(self.pp)
         ]
         groups.append(jscaler.StageGroup(range(n_devices), embedding_over_all(graph, n_devices)))
-        name = f"interlaced(pp={self.pp}, tp={self.tp}, embedding over {n_devices})"
+        what, schedule = "embedding", interlaced_schedule
+        if self.head:
+            last = max(o.id for o in layers[-1].graph.ops)
+            order = [o.id for o in graph.ops]
+            tail = order[order.index(last) + 1 :]
+            if not tail:
+                raise jscaler.PlanError(
+                    "interlaced(head=True): no op follows the last repeated layer "
+                    f"({layers[-1].name}) to form the head stage; use head=False"
+                )
+            starts.append(tail[0])
+            what, schedule = "embedding and head", interlaced_head
+        name = f"interlaced(pp={self.pp}, tp={self.tp}, {what} over {n_devices})"
         return jscaler.PipelinePlan(
-            tuple(groups), name, cuts=tuple(starts), whole=(self.pp,), schedule=interlaced_schedule
+            tuple(groups), name, cuts=tuple(starts), whole=(self.pp,), schedule=schedule
         )
 
 
@@ -75,7 +91,11 @@ def _is_lookup_table(graph: jscaler.Graph, t: int) -> bool:
     return any(op.primitive == "gather" for op in graph.consumers(t))
 
 
-def interlaced(pp: int = 2, tp: int = 1, dp: int | None = None, precision: str = "fp32"):
+def interlaced(
+    pp: int = 2, tp: int = 1, dp: int | None = None, precision: str = "fp32", head: bool = True
+):
     """The interlaced pipeline: ``pp`` stages of layers (each ``megatron(tp, dp)``) and the
-    embedding split by vocabulary over every device. Use with ``schedules.interlaced``."""
-    return Interlaced(pp, tp, dp, precision)
+    embedding (with ``head``, also the ops after the last layer: the tied LM head and the
+    loss) split by vocabulary over every device. Runs with ``schedules.interlaced_head``
+    (``schedules.interlaced`` without the head)."""
+    return Interlaced(pp, tp, dp, precision, head)

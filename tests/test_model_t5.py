@@ -213,12 +213,13 @@ def test_one_f_one_b_pipeline_matches_one_device():
 
 
 def test_interlaced_pipeline_matches_one_device():
-    from schedules import interlaced as interlaced_schedule
+    from schedules import interlaced_head
     from spaces import interlaced
 
-    trainer = assert_pipeline_parity(NAME, interlaced(pp=2, tp=2), interlaced_schedule, 2)
-    embed, first, last = trainer.stages
+    trainer = assert_pipeline_parity(NAME, interlaced(pp=2, tp=2), interlaced_head, 2)
+    embed, first, last, head = trainer.stages
     assert len(embed.low.mesh.devices.flat) == 8 and embed.group == 2
+    assert head.group == 2 and any("lm_head" in o.path or o.path == "" for o in head.ops)
     names = {trainer.graph.tensors[t].name for t in embed.params}
     assert "embed/embedding" in names
     assert not any("/blocks/" in n for n in names)

@@ -6,6 +6,7 @@ import pytest
 import jscaler
 import models
 from jscaler.cli import parse_plan
+from schedules import interlaced as interlaced_schedule
 from spaces import SPACES, alphafold_3f1b, coshard, dap, deepspeed, interlaced, megatron_3d
 
 from parity import assert_parity
@@ -31,9 +32,15 @@ def test_alphafold_3f1b_brings_its_schedule():
     assert trainer.schedule.name == "three_f_one_b" and trainer.schedule.passes == 3
 
 
-def test_interlaced_brings_its_schedule():
+def test_interlaced_brings_its_schedule_with_the_head_on_every_device():
     trainer = pipeline_parity("gpt-tiny", interlaced(pp=2, tp=2), 2)
-    assert trainer.schedule.name == "interlaced" and trainer.schedule.whole == (2,)
+    sched = trainer.schedule
+    assert sched.name == "interlaced_head" and sched.whole == (2,)
+    assert sched.placement == (2, 0, 1, 2)  # embedding and head on the all-device group
+    head = [st for st in trainer.stages if st.stage == 3]
+    assert any("lm_head" in o.path for st in head for o in st.ops)
+    with pytest.raises(jscaler.ScheduleError, match="use the plan's own schedule"):
+        pipeline_parity("gpt-tiny", interlaced(pp=2, tp=2), 2, schedule=interlaced_schedule)
 
 
 def test_coshard_picks_the_activation_heavy_layers():

@@ -158,6 +158,13 @@ def resolve_schedule(schedule, plan: PipelinePlan, microbatches: int) -> Schedul
             f"{schedule.name!r} {list(schedule.whole)}; an interlaced plan needs the "
             f"interlaced schedule (schedules.interlaced), a plain pipeline any other"
         )
+    if plan.cuts is not None and len(plan.cuts) + 1 != schedule.stages:
+        own = getattr(plan.schedule, "__name__", None)
+        raise ScheduleError(
+            f"the plan {plan.name!r} cuts the graph into {len(plan.cuts) + 1} stages but "
+            f"schedule {schedule.name!r} runs {schedule.stages}"
+            + (f"; use the plan's own schedule {own!r} (pass schedule=None)" if own else "")
+        )
     return schedule  # checked by the PipelineTrainer, which runs it
 
 
