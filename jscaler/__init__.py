@@ -72,6 +72,7 @@ from jscaler.runtime import Trainer as Trainer
 from jscaler.runtime import parallelize as parallelize
 from jscaler.runtime import spmd_pipeline as spmd_pipeline
 from jscaler.search import intra_op as intra_op
+from jscaler.search import propagate as propagate
 
 __version__ = "0.1.0"
 
@@ -114,6 +115,7 @@ __all__ = [
     "PipelineTrainer",
     "Plan",
     "PlanError",
+    "propagate",
     "PTensor",
     "recompute",
     "Region",

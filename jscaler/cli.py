@@ -193,7 +193,8 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmarks: 'spmd' compares plans with plain JAX (memory, collectives, time); "
         "'pipeline' compares pipeline schedules (simulated bubbles, MPMD vs SPMD step times); "
-        "'coshard' compares coshard's activation memory with plain tensor parallelism",
+        "'coshard' compares coshard's activation memory with plain tensor parallelism; "
+        "'cost' holds the cost model's memory and collective predictions to XLA's",
         description="Run a benchmark and print its table. 'spmd': for one model on N "
         "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
         "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
@@ -203,9 +204,11 @@ def _parser() -> argparse.ArgumentParser:
         "with the first-step loss of each. 'coshard': per plan (megatron and coshard at tp "
         "2 and 4), XLA's temporaries and per-device memory, collective bytes and step "
         "time, against plain Megatron at the same tp, and which coshard plans fit in the "
-        "memory of megatron at a higher tp.",
+        "memory of megatron at a higher tp. 'cost': per (model, plan), the cost model's "
+        "predicted per-device memory and collective bytes against XLA's memory_analysis() "
+        "and the compiled HLO, with the errors (--model/--plan narrow the cases).",
     )
-    be.add_argument("which", choices=["spmd", "pipeline", "coshard"], help="the benchmark")
+    be.add_argument("which", choices=["spmd", "pipeline", "coshard", "cost"], help="the benchmark")
     be.add_argument(
         "--model",
         default=None,
@@ -582,6 +585,8 @@ def _bench(args) -> int:
         return _bench_pipeline(args)
     if args.which == "coshard":
         return _bench_coshard(args)
+    if args.which == "cost":
+        return _bench_cost(args)
     from bench import spmd
 
     n = args.devices or 8
@@ -608,6 +613,29 @@ def _bench(args) -> int:
         )
     else:
         print(spmd.table(spec, rows, n))
+    return 0
+
+
+def _bench_cost(args) -> int:
+    import dataclasses
+
+    from bench import cost
+
+    cases = cost.default_cases()
+    if args.model:
+        cases = [c for c in cases if c[0] == args.model] or [(args.model, "dp")]
+    if args.plan:
+        models_ = sorted({m for m, _ in cases}, key=[m for m, _ in cases].index)
+        cases = [(m, expr) for m in models_ for expr in args.plan]
+    rows = cost.run(cases, args.devices or 8)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        return 0
+    print(
+        f"cost model vs XLA on {args.devices or 8} simulated devices: memory per device (MB) "
+        "and collective bytes per step (MB); err = predicted / measured - 1"
+    )
+    print("\n".join(cost.table(rows)))
     return 0
 
 

@@ -126,7 +126,7 @@ def test_step_with_another_batch_shape_is_a_clear_error():
 
 def test_unknown_plan_string():
     spec = models.get("mlp-tiny")
-    with pytest.raises(jscaler.PlanError, match="neither 'dp' nor a plan JSON file"):
+    with pytest.raises(jscaler.PlanError, match="neither 'dp', 'auto' nor a plan JSON file"):
         jscaler.parallelize(
             spec.init(0), spec.loss, optax.sgd(0.1), spec.batch(16, 0), plan="megatorn"
         )

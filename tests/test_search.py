@@ -82,3 +82,31 @@ def test_the_searched_plan_trains_like_one_device(gpt_graph, mesh):
     splits = {s for c, s in enumerate(problem.strategies) for s in [s[sol.choice[c]]]}
     assert len(splits) > 1  # different ops split differently: a mixed plan
     assert_parity("gpt-tiny", space)
+
+
+def test_propagation_spreads_a_few_fixed_splits_over_the_graph(gpt_graph):
+    g = gpt_graph
+    plan = jscaler.Plan.create(g, MeshSpec.create(tp=2), name="fixed")
+    # fix the MLP's weights Megatron-style in one layer: gate/up by hidden, down row-wise
+    fixed = {}
+    for op in g.layers()[0].graph.ops:
+        if op.primitive == "dot_general" and op.path.split("/")[-1] in ("gate_proj", "up_proj"):
+            fixed[op.id] = op.annotation.outputs[0][-1][0]  # the hidden features
+        elif op.primitive == "dot_general" and op.path.endswith("down_proj"):
+            fixed[op.id] = op.annotation.inputs[1][0][0]  # the contracted hidden: row-wise
+    assert len(fixed) == 3
+    for op_id, dim in fixed.items():
+        plan, _ = jscaler.op_trans(plan, op_id, jscaler.split(dim), 2)
+    done = jscaler.propagate(plan)
+    ops = {o.id: o for o in g.ops}
+    for op_id, dim in fixed.items():  # kept, in every layer (clusters share them)
+        assert done.tree(op_id).dim == dim
+        for layer in g.layers()[1:]:
+            twin = next(o for o in layer.graph.ops if o.path.endswith(ops[op_id].path[9:]))
+            assert done.tree(twin.id).algo == "split"
+    # the elementwise gating between them follows the hidden split: no data moves there
+    gate = [o for o in g.layers()[0].graph.ops if "/mlp" in o.path and o.primitive == "mul"]
+    assert gate and all(done.tree(o.id).algo == "split" for o in gate)
+    assert_parity("gpt-tiny", done, devices=2)
+    with pytest.raises(jscaler.PlanError, match="fixes no op"):
+        jscaler.propagate(jscaler.Plan.create(g, MeshSpec.create(tp=2)))

@@ -3,7 +3,8 @@
 Owns :func:`build_problem` (strategies, node/edge costs and memory from the cost model),
 :func:`solve` (CP-SAT, deterministic), :func:`brute_force` (the check on small graphs),
 :func:`to_plan` and the space-like :func:`intra_op`; and :func:`search_order`, the
-op-order search over pipeline blocks (CP-SAT scheduling under a memory bound).
+op-order search over pipeline blocks (CP-SAT scheduling under a memory bound);
+:func:`propagate` completes a partial plan from the ops it fixes.
 Imports ``jscaler.cost``, ``jscaler.plan``, ``jscaler.compile`` and ``jscaler.ir``.
 """
 
@@ -18,3 +19,4 @@ from jscaler.search.order import search_order as search_order
 from jscaler.search.problem import Problem as Problem
 from jscaler.search.problem import build_problem as build_problem
 from jscaler.search.problem import objective as objective
+from jscaler.search.propagate import propagate as propagate
