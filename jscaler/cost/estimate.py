@@ -105,11 +105,15 @@ def _bwd_factor(op, needs) -> float:
 def saved_for_backward(graph, recomputed: set[int]) -> set[int]:
     """Forward values the backward pass reads: inputs of non-linear consumers, outputs of
     ops whose derivative is their output (exp, tanh, logistic, sqrt, rsqrt), except values
-    made inside recomputed groups (recomputed from the group's inputs instead)."""
+    made inside recomputed groups (recomputed from the group's inputs instead) and values
+    of ops no gradient flows through."""
     own_output = {"exp", "tanh", "logistic", "sqrt", "rsqrt", "exp2"}
+    needs = needs_grad(graph)
     saved = set()
     for op in graph.ops:
         if op.primitive in NON_DIFFERENTIABLE or op.primitive in LINEAR:
+            continue
+        if not any(t in needs for t in op.outputs):
             continue
         if op.primitive in own_output:
             saved.update(op.outputs)
@@ -247,13 +251,18 @@ def _share(tree, path) -> float:
 
 
 def needs_grad(g) -> set[int]:
-    """Tensors a gradient flows into: parameters and everything computed from them."""
+    """Tensors a gradient flows through: computed from a parameter and reaching the loss
+    along differentiable ops (a recycling pass under ``stop_gradient`` has no backward)."""
     params = {p.id for p in g.params()}
-    needs = set(params)
+    down = set(params)
     for op in g.ops:
-        if op.primitive not in NON_DIFFERENTIABLE and any(t in needs for t in op.tensor_inputs):
-            needs.update(op.outputs)
-    return needs
+        if op.primitive not in NON_DIFFERENTIABLE and any(t in down for t in op.tensor_inputs):
+            down.update(op.outputs)
+    up = {t for t in g.outputs if not isinstance(t, Literal)}
+    for op in reversed(g.ops):
+        if op.primitive not in NON_DIFFERENTIABLE and any(t in up for t in op.outputs):
+            up.update(op.tensor_inputs)
+    return down & up
 
 
 def _memory(low, g, sizes, slots: int, recomputed: set[int]) -> dict:
