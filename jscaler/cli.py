@@ -194,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
         help="benchmarks: 'spmd' compares plans with plain JAX (memory, collectives, time); "
         "'pipeline' compares pipeline schedules (simulated bubbles, MPMD vs SPMD step times); "
         "'coshard' compares coshard's activation memory with plain tensor parallelism; "
-        "'cost' holds the cost model's memory and collective predictions to XLA's",
+        "'cost' holds the cost model's memory and collective predictions to XLA's; "
+        "'order' times the op-order search with and without order rules",
         description="Run a benchmark and print its table. 'spmd': for one model on N "
         "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
         "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
@@ -206,9 +207,13 @@ def _parser() -> argparse.ArgumentParser:
         "time, against plain Megatron at the same tp, and which coshard plans fit in the "
         "memory of megatron at a higher tp. 'cost': per (model, plan), the cost model's "
         "predicted per-device memory and collective bytes against XLA's memory_analysis() "
-        "and the compiled HLO, with the errors (--model/--plan narrow the cases).",
+        "and the compiled HLO, with the errors (--model/--plan narrow the cases). 'order': "
+        "the CP-SAT block scheduler under 1F1B's memory bound, free and with the paper's "
+        "order rules (tables 4, 7), for 3F1B and 1F1B at --pp stages.",
     )
-    be.add_argument("which", choices=["spmd", "pipeline", "coshard", "cost"], help="the benchmark")
+    be.add_argument(
+        "which", choices=["spmd", "pipeline", "coshard", "cost", "order"], help="the benchmark"
+    )
     be.add_argument(
         "--model",
         default=None,
@@ -587,6 +592,16 @@ def _bench(args) -> int:
         return _bench_coshard(args)
     if args.which == "cost":
         return _bench_cost(args)
+    if args.which == "order":
+        from bench import order
+
+        ms = (args.microbatches,) if args.microbatches else (4, 8, 16)
+        print(
+            f"op-order search (CP-SAT, 1 worker) at {args.pp} stages under 1F1B's memory "
+            "bound; unit costs F=1, B=2; makespans in those units"
+        )
+        print("\n".join(order.table(order.run(args.pp, ms))))
+        return 0
     from bench import spmd
 
     n = args.devices or 8

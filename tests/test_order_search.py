@@ -41,3 +41,15 @@ def test_3f1b_rules_reproduce_3f1b_and_the_free_search_is_no_worse():
     assert ruled.makespan == ref and ruled.schedule.passes == 3
     assert free.makespan <= ref
     assert search_order(p, m, passes=3, memory=bound).schedule == free.schedule  # deterministic
+
+
+def test_a_searched_3f1b_order_trains_a_recycling_model_like_one_device():
+    from spaces import alphafold_3f1b
+
+    from parity import assert_parity
+
+    found = search_order(2, 2, passes=3, memory=[2, 1], name="searched_3f1b")
+    trainer = assert_parity(
+        "recycler-tiny", alphafold_3f1b(pp=2), microbatches=2, schedule=found.schedule
+    )
+    assert trainer.schedule.name == "searched_3f1b"
