@@ -89,6 +89,16 @@ class Estimate:
         )
 
 
+HALF = ("fp16", "bf16")
+
+
+def value_scale(dtype: str) -> float:
+    """What a traced fp32 activation (or collective, or kernel operand) weighs when the
+    step computes in ``dtype``: half for fp16/bf16 mixed precision (parameters, their
+    gradients and optimizer state stay fp32 masters)."""
+    return 0.5 if dtype in HALF else 1.0
+
+
 def _local(shape, itemsize: int, layout: Layout | None, sizes) -> float:
     if layout is None:
         return math.prod(shape) * itemsize
@@ -169,7 +179,8 @@ def estimate(
     hidden = exposed = 0.0
     for r in table.rows:
         fixed = {a: 0 for a in mesh.names if a not in r.axes}
-        t = collective_time(r.collective, r.bytes, mesh.group(**fixed), cl, algorithm) * r.times
+        nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
+        t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl, algorithm) * r.times
         if r.phase in ("backward", "update") and (r.tensor in params or r.phase == "update"):
             hidden += t
         else:
@@ -177,7 +188,7 @@ def estimate(
     exposed_total = exposed + max(0.0, hidden - bwd_time)
     step = compute + exposed_total
 
-    memory = _memory(low, g, sizes, optimizer_slots, recomputed)
+    memory = _memory(low, g, sizes, optimizer_slots, recomputed, value_scale(dtype))
     return Estimate(
         plan.name or "plan",
         cl.name,
@@ -216,7 +227,7 @@ def device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed) -> dict
     for op in g.ops:
         factor = _bwd_factor(op, needs)
         again = 1.0 if op.id in recomputed else 0.0
-        nbytes = sum(
+        nbytes = value_scale(dtype) * sum(
             math.prod(g.tensors[t].shape) * jnp.dtype(g.tensors[t].dtype).itemsize
             for t in (*op.tensor_inputs, *op.outputs)
         )
@@ -265,7 +276,7 @@ def needs_grad(g) -> set[int]:
     return down & up
 
 
-def _memory(low, g, sizes, slots: int, recomputed: set[int]) -> dict:
+def _memory(low, g, sizes, slots: int, recomputed: set[int], scale: float = 1.0) -> dict:
     def size(t, layout):
         tensor = g.tensors[t]
         return _local(tensor.shape, jnp.dtype(tensor.dtype).itemsize, layout, sizes)
@@ -278,7 +289,14 @@ def _memory(low, g, sizes, slots: int, recomputed: set[int]) -> dict:
     for op in g.ops:
         for t, lay in zip(op.outputs, low.ops[op.id].outputs):
             produced[t] = lay
-    acts = sum(size(t, produced[t]) for t in saved_for_backward(g, recomputed) if t in produced)
+    saved = saved_for_backward(g, recomputed)
+    acts = scale * sum(size(t, produced[t]) for t in saved if t in produced)
+    if recomputed:  # the backward re-runs a recomputed layer: its activations live again
+        whole = saved_for_backward(g, set())
+        acts += scale * max(
+            sum(size(t, produced[t]) for o in grp for t in g.op(o).outputs if t in whole)
+            for grp in low.plan.recompute
+        )
     total = params + grads + opt + batch + acts
     return {
         "params": params,

@@ -28,6 +28,7 @@ from jscaler.cost.estimate import (
     flops_of,
     needs_grad,
     saved_for_backward,
+    value_scale,
 )
 from jscaler.errors import ScheduleError
 from jscaler.ir.graph import Literal
@@ -114,7 +115,8 @@ def estimate_pipeline(
         moved[gi] = sum(r.bytes * (1 if r.phase == "update" else microbatches) for r in rows)
         for r in rows:
             fixed = {a: 0 for a in mesh.names if a not in r.axes}
-            t = collective_time(r.collective, r.bytes, mesh.group(**fixed), cl, algorithm)
+            nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
+            t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl, algorithm)
             s, k = where(r.tensor)
             if r.phase == "update" or s is None or sched.placement[s] != gi:
                 update[gi] = update.get(gi, 0.0) + t
@@ -123,7 +125,7 @@ def estimate_pipeline(
             else:
                 fwd_cost[s, k] = fwd_cost.get((s, k), 0.0) + t
         memory[gi] = _group_memory(
-            gp, low, g, stages, stage_of, pass_of, last, sched, optimizer_slots
+            value_scale(dtype), gp, low, g, stages, stage_of, pass_of, last, sched, optimizer_slots
         )
 
     # point-to-point: a value crossing groups is received before the consumer's forward
@@ -143,7 +145,7 @@ def estimate_pipeline(
             devs = [*plan.groups[ga].devices[:1], *plan.groups[gb].devices[:1]]
             tensor = g.tensors[x]
             nbytes = math.prod(tensor.shape) * jnp.dtype(tensor.dtype).itemsize
-            nbytes /= len(plan.groups[gb].devices)
+            nbytes *= value_scale(dtype) / len(plan.groups[gb].devices)
             t = collective_time("send", nbytes, devs, cl)
             fwd_cost[dst] = fwd_cost.get(dst, 0.0) + t
             if x in needs and src[1] == last:
@@ -182,7 +184,7 @@ def estimate_pipeline(
     )
 
 
-def _group_memory(gp, low, g, stages, stage_of, pass_of, last, sched, slots) -> dict:
+def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, slots) -> dict:
     sizes = gp.mesh.shape
 
     def size(t, layout):
@@ -211,7 +213,7 @@ def _group_memory(gp, low, g, stages, stage_of, pass_of, last, sched, slots) -> 
             for t, lay in zip(o.outputs, low.ops[o.id].outputs)
             if t in saved and not isinstance(t, Literal)
         ]
-        acts += flight[s] * sum(size(t, lay) for t, lay in outs)
+        acts += scale * flight[s] * sum(size(t, lay) for t, lay in outs)
     total = p_bytes + grads + opt + batch + acts
     return {
         "params": p_bytes,
