@@ -195,7 +195,8 @@ def _parser() -> argparse.ArgumentParser:
         "'pipeline' compares pipeline schedules (simulated bubbles, MPMD vs SPMD step times); "
         "'coshard' compares coshard's activation memory with plain tensor parallelism; "
         "'cost' holds the cost model's memory and collective predictions to XLA's; "
-        "'order' times the op-order search with and without order rules",
+        "'order' times the op-order search with and without order rules; 'calibrate' "
+        "holds the simulated Megatron-LM baseline to published throughput",
         description="Run a benchmark and print its table. 'spmd': for one model on N "
         "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
         "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
@@ -209,10 +210,14 @@ def _parser() -> argparse.ArgumentParser:
         "predicted per-device memory and collective bytes against XLA's memory_analysis() "
         "and the compiled HLO, with the errors (--model/--plan narrow the cases). 'order': "
         "the CP-SAT block scheduler under 1F1B's memory bound, free and with the paper's "
-        "order rules (tables 4, 7), for 3F1B and 1F1B at --pp stages.",
+        "order rules (tables 4, 7), for 3F1B and 1F1B at --pp stages. 'calibrate': "
+        "Megatron-LM's published GPT runs on A100s (Narayanan et al. 2021, table 1) "
+        "beside the cost model's prediction for the same shape, plan and GPU count.",
     )
     be.add_argument(
-        "which", choices=["spmd", "pipeline", "coshard", "cost", "order"], help="the benchmark"
+        "which",
+        choices=["spmd", "pipeline", "coshard", "cost", "order", "calibrate"],
+        help="the benchmark",
     )
     be.add_argument(
         "--model",
@@ -592,6 +597,15 @@ def _bench(args) -> int:
         return _bench_coshard(args)
     if args.which == "cost":
         return _bench_cost(args)
+    if args.which == "calibrate":
+        from bench import calibrate
+
+        print(
+            "Megatron-LM GPT on DGX A100 (published) vs the cost model on a100_80g, fp16, "
+            "full recomputation; TF/GPU counts the recomputation (hardware FLOPs)"
+        )
+        print("\n".join(calibrate.table(calibrate.run())))
+        return 0
     if args.which == "order":
         from bench import order
 

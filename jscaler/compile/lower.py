@@ -89,8 +89,12 @@ def lower(plan: Plan, devices) -> Lowered:
     pg = plan.pgraph
     g = pg.graph
     ops: dict[int, OpLayouts] = {}
+    seen: dict[tuple, OpLayouts] = {}  # repeated layers: same annotation, shapes and tree
     for op in g.ops:
-        ops[op.id] = _op_layouts(plan, op)
+        key = _layout_key(plan, op)
+        if key not in seen:
+            seen[key] = _op_layouts(plan, op)
+        ops[op.id] = seen[key]
     wants: dict[int, list[Layout]] = {}
     for op in g.ops:
         for x, lay in zip(op.inputs, ops[op.id].inputs):
@@ -154,6 +158,15 @@ def _prefetch_schedule(plan: Plan) -> dict[int, Prefetch]:
         if carriers and all(position[g.producer(x).id] < start for x in carriers):
             out[cur.graph.ops[0].id] = Prefetch(tuple(ops), tuple(dict.fromkeys(carriers)))
     return out
+
+
+def _layout_key(plan: Plan, op: Op) -> tuple:
+    """What an op's layouts depend on: its annotation, its operands' shapes (None for a
+    literal) and its sub-op tree (devices included)."""
+    tensors = plan.pgraph.graph.tensors
+    ins = tuple(None if isinstance(x, Literal) else tensors[x].shape for x in op.inputs)
+    outs = tuple(tensors[x].shape for x in op.outputs)
+    return (op.annotation, ins, outs, plan.tree(op.id))
 
 
 def _op_layouts(plan: Plan, op: Op) -> OpLayouts:

@@ -8,8 +8,10 @@
   A device's compute time is the sum over its sub-ops; the step takes the slowest device.
 * **Communication**: the plan's comm table (the collectives its layouts imply, the same
   table a test holds the compiled HLO to), each timed by :func:`collective_time` on the
-  links its group spans. Gradient reductions of parameters overlap the backward compute
-  (as DDP buckets do); everything else is exposed.
+  links its group spans. Gradient reductions of parameters happen once per step
+  (accumulated over micro-batches first, as Megatron-LM and DeepSpeed do; jscaler's SPMD
+  runtime still reduces inside each micro-batch) and overlap the backward compute (as DDP
+  buckets do); everything else is exposed.
 * **Memory per device**: parameters, gradients and optimizer state in their stored,
   gradient and update layouts; the batch; and the activations the backward pass keeps:
   every forward value a non-linear consumer reads (a matmul's operands, an exp's output
@@ -180,8 +182,10 @@ def estimate(
     for r in table.rows:
         fixed = {a: 0 for a in mesh.names if a not in r.axes}
         nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
-        t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl, algorithm) * r.times
-        if r.phase in ("backward", "update") and (r.tensor in params or r.phase == "update"):
+        grad = r.phase in ("backward", "update") and (r.tensor in params or r.phase == "update")
+        times = 1 if grad else r.times  # gradients accumulate over micro-batches, reduce once
+        t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl, algorithm) * times
+        if grad:
             hidden += t
         else:
             exposed += t

@@ -5,8 +5,10 @@ runs on group ``placement[s]`` under that group's plan. A block's duration is it
 share of the cost model on the group's slowest device: ``F`` (pass k) the forward of the
 stage's ops of pass k plus their forward collectives and the point-to-point receives of
 their inputs from other groups; ``B`` the backward (recomputation included) plus the
-backward collectives and the sends of the input gradients back; with a split backward,
-``B`` and ``W`` take half each; ``R`` a forward again. The schedule is simulated with these
+backward collectives and the sends of the input gradients back (parameter gradients are
+accumulated over the micro-batches and reduced once, after the pipeline drains, with the
+optimizer-side collectives); with a split backward, ``B`` and ``W`` take half each; ``R``
+a forward again. The schedule is simulated with these
 durations (:func:`jscaler.simulate`); the step is the makespan plus the optimizer-side
 collectives. Memory per device: the parameter state of its group's stages plus each
 stage's kept activations times the micro-batches the schedule holds in flight there.
@@ -118,8 +120,10 @@ def estimate_pipeline(
             nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
             t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl, algorithm)
             s, k = where(r.tensor)
-            if r.phase == "update" or s is None or sched.placement[s] != gi:
-                update[gi] = update.get(gi, 0.0) + t
+            role = gp.pgraph.graph.tensors[r.tensor].role
+            grad = r.phase == "backward" and role == "param"
+            if grad or r.phase == "update" or s is None or sched.placement[s] != gi:
+                update[gi] = update.get(gi, 0.0) + t  # once per step, after the pipeline
             elif r.phase == "backward":
                 bwd_cost[s] = bwd_cost.get(s, 0.0) + t
             else:
