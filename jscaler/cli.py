@@ -475,8 +475,9 @@ def _plan_cmd(args) -> int:
         if expr.strip() == "auto":
             mesh = dict(_mesh_arg(args.mesh)) if args.mesh else None
             space = intra_op(
-                mesh, cluster, capacity, args.dtype, optimizer_slots=args.optimizer_slots
-            )
+                mesh, cluster, capacity, args.dtype, optimizer_slots=args.optimizer_slots,
+                cache=not args.explain,  # --explain shows the solve, so solve
+            )  # fmt: skip
         else:
             space = parse_plan(expr)
         plan = space(graph, args.devices)

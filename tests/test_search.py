@@ -76,7 +76,7 @@ def test_search_is_deterministic_and_clusters_repeated_layers(gpt_graph):
 
 @pytest.mark.parametrize("mesh", [None, pytest.param({"a": 2, "b": 4}, marks=pytest.mark.slow)])
 def test_the_searched_plan_trains_like_one_device(gpt_graph, mesh):
-    space = intra_op(mesh, cluster="cpu", capacity=4e6)
+    space = intra_op(mesh, cluster="cpu", capacity=4e6, cache=False)
     plan = space(gpt_graph, 8)
     problem, sol = plan.__dict__["search"]
     splits = {s for c, s in enumerate(problem.strategies) for s in [s[sol.choice[c]]]}
@@ -110,3 +110,15 @@ def test_propagation_spreads_a_few_fixed_splits_over_the_graph(gpt_graph):
     assert_parity("gpt-tiny", done, devices=2)
     with pytest.raises(jscaler.PlanError, match="fixes no op"):
         jscaler.propagate(jscaler.Plan.create(g, MeshSpec.create(tp=2)))
+
+
+def test_searched_plans_are_cached_by_graph_mesh_and_cluster(gpt_graph, tmp_path, monkeypatch):
+    monkeypatch.setenv("JSCALER_CACHE_DIR", str(tmp_path))
+    first = intra_op(cluster="dgx2_v100")(gpt_graph, 8)
+    assert "search" in first.__dict__  # solved
+    files = list((tmp_path / "plans").glob("intra_op-*.json"))
+    assert len(files) == 1 and not list((tmp_path / "plans").glob(".tmp-*"))
+    again = intra_op(cluster="dgx2_v100")(gpt_graph, 8)
+    assert "search" not in again.__dict__ and again == first  # loaded, not solved
+    intra_op(cluster="cpu")(gpt_graph, 8)  # another cluster: another entry
+    assert len(list((tmp_path / "plans").glob("intra_op-*.json"))) == 2

@@ -1,7 +1,18 @@
-"""``intra_op``: the searched plan as a space (Alpa's intra-operator pass on one mesh)."""
+"""``intra_op``: the searched plan as a space (Alpa's intra-operator pass on one mesh).
+
+Searched plans are cached as plan JSON under ``<cache_dir>/plans/``, keyed by the graph's
+fingerprint, the mesh, the cluster spec and the search's knobs: the same inputs load the
+same plan on every host without solving again (``cache=False`` always solves). Files are
+written atomically (temporary file, then rename), so a killed run leaves none half-made.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
 from dataclasses import dataclass
 
 from jscaler.cost.cluster import Cluster
@@ -23,6 +34,7 @@ class IntraOp:
     dtype: str = "fp32"
     optimizer_slots: int = 0
     time_limit: float = 10.0
+    cache: bool = True
 
     def __call__(self, graph: Graph, n_devices: int) -> Plan:
         axes = dict(self.mesh) if self.mesh else {"d": n_devices}
@@ -31,6 +43,9 @@ class IntraOp:
             raise PlanError(
                 f"intra_op(mesh={axes}) spans {mesh.size} devices; {n_devices} were given"
             )
+        path = self._cache_path(graph, mesh) if self.cache else None
+        if path is not None and path.exists():
+            return Plan.from_json(path.read_text(), graph)
         problem = build_problem(
             graph,
             mesh,
@@ -42,8 +57,45 @@ class IntraOp:
         sol = solve(problem, time_limit=self.time_limit)
         shape = ", ".join(f"{a}={s}" for a, s in mesh.axes)
         plan = to_plan(problem, sol, name=f"intra_op({shape})")
+        if path is not None:
+            _write_atomically(path, plan.to_json())
         plan.__dict__["search"] = (problem, sol)  # for explain / the CLI
         return plan
+
+    def _cache_path(self, graph: Graph, mesh: MeshSpec):
+        from jscaler._setup import cache_dir
+        from jscaler.cost.cluster import get_cluster
+        from jscaler.plan.plan import graph_fingerprint
+
+        cluster = dataclasses.asdict(get_cluster(self.cluster))
+        key = json.dumps(
+            [
+                graph_fingerprint(graph), mesh.to_json(), cluster, self.capacity, self.dtype,
+                self.optimizer_slots, self.time_limit, SEARCH_VERSION,
+            ],
+            sort_keys=True,
+            default=str,
+        )  # fmt: skip
+        return (
+            cache_dir() / "plans" / f"intra_op-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+        )
+
+
+SEARCH_VERSION = 1  # bump when the problem or the solver changes what a search returns
+
+
+def _write_atomically(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _memory(cluster) -> float:
@@ -59,6 +111,7 @@ def intra_op(
     dtype: str = "fp32",
     optimizer_slots: int = 0,
     time_limit: float = 10.0,
+    cache: bool = True,
 ) -> IntraOp:
     """The plan the op-trans + op-assign ILP picks on ``mesh`` (``{"dp": 2, "tp": 4}``;
     default one axis over every device), for ``cluster``, under ``capacity`` bytes per
