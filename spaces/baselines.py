@@ -8,8 +8,9 @@
 * ``alpa_like(pp, cluster)``: Alpa's plan as the paper ran it: the repeated layers in ``pp``
   even stages, and inside each stage's devices the intra-operator plan an ILP picks
   (``jscaler.intra_op``: every op's split chosen by CP-SAT from the cost model of
-  ``cluster``). Alpa also slices stages by dynamic programming; the paper's baseline
-  configuration used even stages, as here.
+  ``cluster``). The paper's baseline configuration used even stages (the default);
+  ``slicing="dp"`` cuts them as Alpa's dynamic programming does
+  (``jscaler.search.slice_stages``: balanced by the cost model's layer costs).
 
 Both are written with the spaces they are made of; a bare name picks defaults for the
 device count (``megatron_3d``: tp=2, pp=2, the rest data parallel; ``deepspeed``: tp=2).
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import jscaler
+from jscaler.search import slice_stages
 from spaces.megatron import megatron, pipeline
 
 
@@ -40,8 +42,14 @@ class AlpaLike:
     cluster: str = "cpu"
     mesh: tuple = ()
     capacity: float | None = None
+    slicing: str = "even"
+    microbatches: int = 4
 
     def __call__(self, graph: jscaler.Graph, n_devices: int):
+        if self.slicing not in ("even", "dp"):
+            raise jscaler.PlanError(
+                f"alpa_like: slicing must be 'even' or 'dp', got {self.slicing!r}"
+            )
         if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
             raise jscaler.PlanError(f"alpa_like: pp must be a positive int, got {self.pp!r}")
         if n_devices % self.pp:
@@ -54,13 +62,25 @@ class AlpaLike:
             return plan.evolve(name=f"alpa_like({plan.name})")
         plan = pipeline(graph, inner, self.pp, n_devices)
         inner_name = plan.groups[0].plan.name
-        return replace(plan, name=f"alpa_like(pp={self.pp}, {inner_name})")
+        cuts = None
+        if self.slicing == "dp":
+            cuts = slice_stages(
+                graph, plan.groups[0].plan, self.pp, self.microbatches, self.cluster
+            )
+            inner_name += ", dp-sliced"
+        return replace(plan, name=f"alpa_like(pp={self.pp}, {inner_name})", cuts=cuts)
 
 
 def alpa_like(
-    pp: int = 1, cluster: str = "cpu", mesh: dict | None = None, capacity: float | None = None
+    pp: int = 1,
+    cluster: str = "cpu",
+    mesh: dict | None = None,
+    capacity: float | None = None,
+    slicing: str = "even",
+    microbatches: int = 4,
 ) -> AlpaLike:
-    """Alpa: ``pp`` even pipeline stages, each stage's devices running the op-trans /
+    """Alpa: ``pp`` pipeline stages (``slicing="even"``, or ``"dp"``: balanced by dynamic
+    programming for ``microbatches``), each stage's devices running the op-trans /
     op-assign ILP's plan for ``cluster`` (on ``mesh``, default one axis over the stage's
     devices)."""
-    return AlpaLike(pp, cluster, tuple((mesh or {}).items()), capacity)
+    return AlpaLike(pp, cluster, tuple((mesh or {}).items()), capacity, slicing, microbatches)

@@ -122,3 +122,34 @@ def test_searched_plans_are_cached_by_graph_mesh_and_cluster(gpt_graph, tmp_path
     assert "search" not in again.__dict__ and again == first  # loaded, not solved
     intra_op(cluster="cpu")(gpt_graph, 8)  # another cluster: another entry
     assert len(list((tmp_path / "plans").glob("intra_op-*.json"))) == 2
+
+
+def test_stage_slicing_is_optimal_and_balances_uneven_layers():
+    import itertools
+    import random
+
+    from jscaler.search import best_split
+
+    rng = random.Random(0)
+    for _ in range(20):
+        costs = [rng.uniform(0.1, 3.0) for _ in range(rng.randint(3, 8))]
+        pp, m = rng.randint(1, min(4, len(costs))), rng.randint(1, 8)
+        sizes, latency = best_split(costs, pp, m)
+        assert sum(sizes) == len(costs) and all(s >= 1 for s in sizes) and len(sizes) == pp
+        best = float("inf")
+        for cuts in itertools.combinations(range(1, len(costs)), pp - 1):
+            bounds = (0, *cuts, len(costs))
+            stage = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+            best = min(best, sum(stage) + (m - 1) * max(stage))
+        assert latency == pytest.approx(best)
+    assert best_split([1, 1, 1, 9], 2, 8)[0] == [3, 1]  # the heavy layer alone
+    with pytest.raises(jscaler.PlanError, match="cannot cut 2 layers into 3 stages"):
+        best_split([1, 1], 3, 4)
+
+
+@pytest.mark.slow
+def test_alpa_like_with_dp_slicing_trains_like_one_device():
+    from spaces import alpa_like
+
+    trainer = assert_parity("swin-tiny", alpa_like(pp=2, slicing="dp"), microbatches=2)
+    assert trainer.plan.cuts is not None and "dp-sliced" in trainer.plan.name

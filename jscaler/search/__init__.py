@@ -4,7 +4,8 @@ Owns :func:`build_problem` (strategies, node/edge costs and memory from the cost
 :func:`solve` (CP-SAT, deterministic), :func:`brute_force` (the check on small graphs),
 :func:`to_plan` and the space-like :func:`intra_op`; and :func:`search_order`, the
 op-order search over pipeline blocks (CP-SAT scheduling under a memory bound);
-:func:`propagate` completes a partial plan from the ops it fixes.
+:func:`propagate` completes a partial plan from the ops it fixes; :func:`slice_stages`
+cuts layers into pipeline stages by dynamic programming (Alpa's stage slicing).
 Imports ``jscaler.cost``, ``jscaler.plan``, ``jscaler.compile`` and ``jscaler.ir``.
 """
 
@@ -20,3 +21,6 @@ from jscaler.search.problem import Problem as Problem
 from jscaler.search.problem import build_problem as build_problem
 from jscaler.search.problem import objective as objective
 from jscaler.search.propagate import propagate as propagate
+from jscaler.search.stages import best_split as best_split
+from jscaler.search.stages import layer_costs as layer_costs
+from jscaler.search.stages import slice_stages as slice_stages
