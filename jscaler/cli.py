@@ -151,6 +151,13 @@ def _parser() -> argparse.ArgumentParser:
         default="dgx2_v100",
         help="dgx2_v100 (default), dgx1_v100, a100_80g, h100_sxm or cpu",
     )
+    pl.add_argument(
+        "--space",
+        action="append",
+        default=None,
+        help="rank a space's settings on these devices (repeatable), e.g. --space megatron: "
+        "every tp x pp it allows, predicted and sorted, the best that fits first",
+    )
     pl.add_argument("--mesh", default=None, help='the searched mesh, e.g. "dp=2,tp=4"')
     pl.add_argument(
         "--capacity", type=float, default=None, help="GiB per device (default: the cluster's)"
@@ -459,7 +466,7 @@ def _plan_cmd(args) -> int:
     import jax
 
     import models
-    from jscaler import PipelinePlan, trace
+    from jscaler import PipelinePlan, PlanError, trace
     from jscaler.cost import estimate, estimate_pipeline, get_cluster
     from jscaler.search import intra_op
 
@@ -470,9 +477,16 @@ def _plan_cmd(args) -> int:
     cluster = get_cluster(args.cluster)
     capacity = args.capacity * 2**30 if args.capacity else cluster.memory
     rows = []
-    for expr in args.plan or ["auto"]:
+    todo = [(expr, None) for expr in args.plan or ([] if args.space else ["auto"])]
+    for name in args.space or ():
+        from spaces.grid import settings
+
+        todo += settings(name, args.devices)
+    for expr, made in todo:
         start = time.perf_counter()
-        if expr.strip() == "auto":
+        if made is not None:
+            space = made
+        elif expr.strip() == "auto":
             mesh = dict(_mesh_arg(args.mesh)) if args.mesh else None
             space = intra_op(
                 mesh, cluster, capacity, args.dtype, optimizer_slots=args.optimizer_slots,
@@ -480,7 +494,13 @@ def _plan_cmd(args) -> int:
             )  # fmt: skip
         else:
             space = parse_plan(expr)
-        plan = space(graph, args.devices)
+        try:
+            plan = space(graph, args.devices)
+        except PlanError as e:
+            if made is None:
+                raise
+            rows.append({"plan": expr, "error": str(e).split(";")[0]})
+            continue
         took = time.perf_counter() - start
         kw = {"dtype": args.dtype, "optimizer_slots": args.optimizer_slots}
         m = 1
@@ -520,7 +540,12 @@ def _plan_cmd(args) -> int:
     head = f"{'plan':<34} " + " ".join(f"{c:>{w}}" for c, w in cols)
     print(head)
     print("-" * len(head))
+    if args.space:  # ranked: fitting plans by MFU, best first; failures last
+        rows.sort(key=lambda r: ("error" in r, not r.get("fits"), -r.get("mfu", 0)))
     for r in rows:
+        if "error" in r:
+            print(f"{r['plan']:<34} cannot apply: {r['error']}")
+            continue
         print(
             f"{r['plan']:<34} {r['batch']:>6} {r['step_ms']:>9.2f} {r['mfu']:>6.1%} "
             f"{r['bubble']:>7.1%} "

@@ -155,3 +155,14 @@ def test_plan_predicts_and_searches_with_simulated_figures():
     assert searched["step_ms"] < tp8["step_ms"]  # the search is never worse than a menu pick
     bad = run("plan", "--model", "gpt-tiny", "--cluster", "tpu", check=False)
     assert bad.returncode == 2 and "unknown cluster 'tpu'" in bad.stderr
+
+
+def test_plan_ranks_a_spaces_settings():
+    data = json.loads(
+        run("plan", "--model", "gpt-tiny", "--space", "megatron", "--space", "zero",
+            "--json").stdout
+    )  # fmt: skip
+    names = [r["plan"] for r in data["plans"]]
+    assert "megatron(tp=2, dp=4)" in names and "zero(stage=3, dp=8)" in names
+    assert any("pp=2" in n for n in names)
+    assert all(r["step_ms"] > 0 for r in data["plans"] if "error" not in r)
