@@ -115,7 +115,8 @@ def intra_op(
 ) -> IntraOp:
     """The plan the op-trans + op-assign ILP picks on ``mesh`` (``{"dp": 2, "tp": 4}``;
     default one axis over every device), for ``cluster``, under ``capacity`` bytes per
-    device (default the cluster's memory)."""
+    device (default the cluster's memory). ``cache``: load and store the searched plan
+    under the user cache folder (keyed by graph, mesh, cluster and these knobs)."""
     return IntraOp(
-        tuple((mesh or {}).items()), cluster, capacity, dtype, optimizer_slots, time_limit
+        tuple((mesh or {}).items()), cluster, capacity, dtype, optimizer_slots, time_limit, cache
     )
