@@ -76,7 +76,7 @@ def test_search_is_deterministic_and_clusters_repeated_layers(gpt_graph):
 
 @pytest.mark.parametrize("mesh", [None, pytest.param({"a": 2, "b": 4}, marks=pytest.mark.slow)])
 def test_the_searched_plan_trains_like_one_device(gpt_graph, mesh):
-    space = intra_op(mesh, cluster="cpu", capacity=4e6, cache=False)
+    space = intra_op(mesh, cluster="cpu", capacity=4e6, time_limit=3, cache=False)
     plan = space(gpt_graph, 8)
     problem, sol = plan.__dict__["search"]
     splits = {s for c, s in enumerate(problem.strategies) for s in [s[sol.choice[c]]]}
