@@ -309,7 +309,7 @@ def parse_plan(expr: str):
     from jscaler.search import intra_op
     from spaces import SPACES
 
-    if os.path.exists(expr):
+    if os.path.isfile(expr):
         return expr
     table = SPACES | {"intra_op": intra_op, "auto": intra_op}
     expected = (
@@ -466,7 +466,7 @@ def _plan_cmd(args) -> int:
     import jax
 
     import models
-    from jscaler import PipelinePlan, PlanError, trace
+    from jscaler import PipelinePlan, Plan, PlanError, trace
     from jscaler.cost import estimate, estimate_pipeline, get_cluster
     from jscaler.search import intra_op
 
@@ -485,7 +485,7 @@ def _plan_cmd(args) -> int:
     for expr, made in todo:
         start = time.perf_counter()
         if made is not None:
-            space = made
+            space = _for_cluster(made, expr, cluster, args.capacity and capacity)
         elif expr.strip() == "auto":
             mesh = dict(_mesh_arg(args.mesh)) if args.mesh else None
             space = intra_op(
@@ -493,9 +493,13 @@ def _plan_cmd(args) -> int:
                 cache=not args.explain,  # --explain shows the solve, so solve
             )  # fmt: skip
         else:
-            space = parse_plan(expr)
+            space = _for_cluster(parse_plan(expr), expr, cluster, args.capacity and capacity)
         try:
-            plan = space(graph, args.devices)
+            if isinstance(space, str):  # a plan JSON file
+                with open(space) as f:
+                    plan = Plan.from_json(f.read(), graph)
+            else:
+                plan = space(graph, args.devices)
         except PlanError as e:
             if made is None:
                 raise
@@ -553,6 +557,19 @@ def _plan_cmd(args) -> int:
             f"{'yes' if r['fits'] else 'NO':>5} {r['comm_mb']:>9.1f} {r['plan_s']:>7.1f}"
         )
     return 0
+
+
+def _for_cluster(space, expr: str, cluster, capacity):
+    """A searched space (intra_op, alpa_like) searches for the cluster being planned for,
+    unless its expression names one."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(space) or not hasattr(space, "cluster"):
+        return space
+    changes = {} if "cluster" in expr else {"cluster": cluster}
+    if capacity and hasattr(space, "capacity") and "capacity" not in expr:
+        changes["capacity"] = capacity
+    return dataclasses.replace(space, **changes)
 
 
 def _mesh_arg(text: str):

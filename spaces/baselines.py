@@ -56,7 +56,12 @@ class AlpaLike:
             raise jscaler.PlanError(
                 f"alpa_like(pp={self.pp}) needs a device count divisible by pp; got {n_devices}"
             )
-        inner = jscaler.intra_op(dict(self.mesh) or None, self.cluster, self.capacity)
+        capacity = self.capacity
+        if self.pp > 1:  # one stage's devices hold ~1/pp of the model: bound the whole graph
+            from jscaler.cost import get_cluster
+
+            capacity = self.pp * (capacity or get_cluster(self.cluster).memory)
+        inner = jscaler.intra_op(dict(self.mesh) or None, self.cluster, capacity)
         if self.pp == 1:
             plan = inner(graph, n_devices)
             return plan.evolve(name=f"alpa_like({plan.name})")

@@ -166,14 +166,16 @@ def estimate(
     times = device_times(plan, cl, dtype, needs, recomputed)
     fwd = {d: 0.0 for d in mesh.devices}
     bwd = dict(fwd)
-    for f, b in times.values():
+    once = dict(fwd)  # optimizer-side ops: once per step, not per micro-batch
+    optimizer_ops = {v.id for v in (*pg.grad_ops, *pg.update_ops)}
+    for op_id, (f, b) in times.items():
         for d, t in f.items():
             fwd[d] += t
         for d, t in b.items():
-            bwd[d] += t
+            (once if op_id in optimizer_ops else bwd)[d] += t
     model_flops, hardware = flops_of(g, needs, recomputed)
     m = microbatches
-    compute = max(m * (fwd[d] + bwd[d]) for d in mesh.devices)
+    compute = max(m * (fwd[d] + bwd[d]) + once[d] for d in mesh.devices)
     bwd_time = max(m * bwd[d] for d in mesh.devices)
 
     table = comm_table(low, m)

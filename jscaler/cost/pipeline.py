@@ -5,13 +5,15 @@ runs on group ``placement[s]`` under that group's plan. A block's duration is it
 share of the cost model on the group's slowest device: ``F`` (pass k) the forward of the
 stage's ops of pass k plus their forward collectives and the point-to-point receives of
 their inputs from other groups; ``B`` the backward (recomputation included) plus the
-backward collectives and the sends of the input gradients back (parameter gradients are
-accumulated over the micro-batches and reduced once, after the pipeline drains, with the
-optimizer-side collectives); with a split backward, ``B`` and ``W`` take half each; ``R``
-a forward again. The schedule is simulated with these
-durations (:func:`jscaler.simulate`); the step is the makespan plus the optimizer-side
-collectives. Memory per device: the parameter state of its group's stages plus each
-stage's kept activations times the micro-batches the schedule holds in flight there.
+backward collectives and the sends of the input gradients back; with a split backward,
+``B`` and ``W`` take half each; ``R`` a forward again. The schedule is simulated with these
+durations (:func:`jscaler.simulate`); the step is the makespan plus the optimizer-side work
+of the slowest group: parameter gradients accumulate over the micro-batches and are
+reduced once after the pipeline drains, then the update runs. Each group's plan covers
+the whole graph; a group is charged only the collectives of its own stages and of the
+parameters they read. Memory per device: the parameter state of its group's stages plus
+each stage's kept activations times the micro-batches the schedule holds in flight
+there, summed over the groups a device belongs to.
 """
 
 from __future__ import annotations
@@ -113,17 +115,34 @@ def estimate_pipeline(
                     hardware += flops_of(g, needs, recomputed, ops)[1]
                 else:
                     hardware += sum(o.flops for o in ops)
-        rows = comm_table(low, 1).rows
-        moved[gi] = sum(r.bytes * (1 if r.phase == "update" else microbatches) for r in rows)
-        for r in rows:
-            fixed = {a: 0 for a in mesh.names if a not in r.axes}
-            nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
-            t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl, algorithm)
+        # the group's plan covers the whole graph: charge it only what its stages run
+        pg = gp.pgraph
+        read_here = {
+            x for o in pg.graph.ops if _on(o, gi, stage_of, sched, pg.graph) for x in o.inputs
+        }
+        opt = {d: 0.0 for d in mesh.devices}  # optimizer-side ops, once per step
+        for vop in (*pg.grad_ops, *pg.update_ops):
+            if vop.inputs[0] in read_here:
+                for d, t in times[vop.id][1].items():
+                    opt[d] += t
+        update[gi] = max(opt.values())
+        moved[gi] = 0
+        for r in comm_table(low, 1).rows:
+            role = pg.graph.tensors[r.tensor].role
             s, k = where(r.tensor)
-            role = gp.pgraph.graph.tensors[r.tensor].role
+            if role == "param" or r.phase == "update":
+                if r.tensor not in read_here:
+                    continue
+            elif s is None or sched.placement[s] != gi:
+                continue
+            fixed = {a: 0 for a in mesh.names if a not in r.axes}
+            devs = [group.devices[mesh.devices.index(d)] for d in mesh.group(**fixed)]
+            nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
+            t = collective_time(r.collective, nbytes, devs, cl, algorithm) * r.times
             grad = r.phase == "backward" and role == "param"
-            if grad or r.phase == "update" or s is None or sched.placement[s] != gi:
-                update[gi] = update.get(gi, 0.0) + t  # once per step, after the pipeline
+            moved[gi] += r.bytes * r.times * (1 if grad or r.phase == "update" else microbatches)
+            if grad or r.phase == "update":
+                update[gi] += t  # once per step, after the pipeline drains
             elif r.phase == "backward":
                 bwd_cost[s] = bwd_cost.get(s, 0.0) + t
             else:
@@ -167,7 +186,14 @@ def estimate_pipeline(
     busy = max(timeline.busy(gi) for gi in range(len(plan.groups)) if gi not in sched.whole)
     model, _ = flops_of(g, needs, set(), [o for o in g.ops if pass_of[o.id] == last])
     model += sum(o.flops for o in g.ops if pass_of[o.id] != last)
-    worst = max(memory.values(), key=lambda m: m["total"])
+    # a device in several groups (the all-device group of an interlaced plan) holds each
+    per_device: dict[int, dict] = {}
+    for gi, group in enumerate(plan.groups):
+        for d in group.devices:
+            acc = per_device.setdefault(d, dict.fromkeys(memory[gi], 0.0))
+            for key, v in memory[gi].items():
+                acc[key] += v
+    worst = max(per_device.values(), key=lambda m: m["total"])
     n_devices = len(plan.devices)
     total_comm = sum(update.values())
     return Estimate(
@@ -186,6 +212,16 @@ def estimate_pipeline(
         timeline.bubble(),
         timeline,
     )
+
+
+def _on(op, gi: int, stage_of, sched, graph) -> bool:
+    """Whether a (plan graph) op runs on group gi: its stage's group, or for an op outside
+    the base graph (a ZeRO-3 gather), a consumer's."""
+    s = stage_of.get(op.id)
+    if s is not None:
+        return sched.placement[s] == gi
+    users = [u for t in op.outputs for u in graph.consumers(t)]
+    return any(_on(u, gi, stage_of, sched, graph) for u in users)
 
 
 def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, slots) -> dict:

@@ -44,8 +44,11 @@ class IntraOp:
                 f"intra_op(mesh={axes}) spans {mesh.size} devices; {n_devices} were given"
             )
         path = self._cache_path(graph, mesh) if self.cache else None
-        if path is not None and path.exists():
-            return Plan.from_json(path.read_text(), graph)
+        if path is not None and path.is_file():
+            try:
+                return Plan.from_json(path.read_text(), graph)
+            except (PlanError, ValueError, KeyError, TypeError):
+                pass  # unreadable or stale: solve again and overwrite it
         problem = build_problem(
             graph,
             mesh,
@@ -65,13 +68,13 @@ class IntraOp:
     def _cache_path(self, graph: Graph, mesh: MeshSpec):
         from jscaler._setup import cache_dir
         from jscaler.cost.cluster import get_cluster
-        from jscaler.plan.plan import graph_fingerprint
+        from jscaler.plan.plan import PLAN_FORMAT, graph_fingerprint
 
         cluster = dataclasses.asdict(get_cluster(self.cluster))
         key = json.dumps(
             [
                 graph_fingerprint(graph), mesh.to_json(), cluster, self.capacity, self.dtype,
-                self.optimizer_slots, self.time_limit, SEARCH_VERSION,
+                self.optimizer_slots, self.time_limit, SEARCH_VERSION, PLAN_FORMAT,
             ],
             sort_keys=True,
             default=str,
@@ -81,7 +84,7 @@ class IntraOp:
         )
 
 
-SEARCH_VERSION = 1  # bump when the problem or the solver changes what a search returns
+SEARCH_VERSION = 2  # bump when the problem or the solver changes what a search returns
 
 
 def _write_atomically(path, text: str) -> None:

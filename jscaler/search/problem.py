@@ -11,8 +11,9 @@ strategy per op fixes every tensor's layout on the mesh, hence:
   not (a weight read whole by a batch-split op: data parallelism's gradient all-reduce);
 * an **edge cost** per (producer strategy, consumer strategy) of every tensor: the
   collectives converting the producer's layout into the consumer's (``convert`` of the
-  comm table: all-gather, all-to-all; slices are free), twice when the tensor carries a
-  gradient (the backward pass moves its cotangent back);
+  comm table: all-gather, all-to-all; slices are free), and back for the cotangent when
+  the tensor carries a gradient; a graph input read by several ops (a tied embedding) is
+  stored as its first reader reads it and converted for the others;
 * a **memory** per (op, strategy): the activations it keeps for the backward pass and,
   for the first reader of a parameter, the parameter, its gradient and optimizer state in
   the layout that reader wants (parameters are stored as read).
@@ -124,7 +125,10 @@ def _cluster_ops(graph: Graph) -> list[list[int]]:
     if layers:
         by_shape: dict[tuple, list] = {}
         for lay in layers:
-            key = tuple(o.primitive for o in lay.graph.ops)
+            key = tuple(  # same ops on the same shapes: Swin's stages differ in width
+                (o.primitive, tuple(graph.tensors[t].shape for t in (*o.tensor_inputs, *o.outputs)))
+                for o in lay.graph.ops
+            )
             by_shape.setdefault(key, []).append(lay)
         for family in by_shape.values():
             for k in range(len(family[0].graph.ops)):
@@ -224,16 +228,22 @@ def build_problem(
     edges: dict[tuple[int, int], list[list[float]]] = {}
     for op in graph.ops:
         for k, x in enumerate(op.inputs):
-            if isinstance(x, Literal) or x not in producer:
+            if isinstance(x, Literal):
                 continue
-            src_op = ops[producer[x]]
+            if x in producer:  # from the op that makes it
+                src_op = ops[producer[x]]
+                src_k, src_in = src_op.outputs.index(x), False
+            elif first_reader.get(x, op.id) != op.id:  # a graph input (a tied weight)
+                src_op = ops[first_reader[x]]  # is stored as its first reader reads it
+                src_k, src_in = src_op.inputs.index(x), True
+            else:
+                continue
             a, b = where[src_op.id], where[op.id]
-            out_k = src_op.outputs.index(x)
             shape = graph.tensors[x].shape
             isz = jnp.dtype(graph.tensors[x].dtype).itemsize
             mat = [[0.0] * len(strategies[b]) for _ in strategies[a]]
             for i, sp in enumerate(strategies[a]):
-                src = _reduced(graph, src_op, out_k, sp, mesh)
+                src = _reduced(graph, src_op, src_k, sp, mesh, inputs=src_in)
                 for j, sc in enumerate(strategies[b]):
                     if a == b and i != j:
                         continue

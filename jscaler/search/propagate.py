@@ -103,4 +103,6 @@ def propagate(plan: Plan, cluster: str | Cluster = "cpu") -> Plan:
     picked = tuple(choice[c] for c in range(len(p.clusters)))
     secs, mem = objective(p, list(picked))
     name = f"propagate({plan.name})" if plan.name else "propagated"
-    return to_plan(p, Solution(picked, secs, mem, "PROPAGATED"), name=name)
+    done = to_plan(p, Solution(picked, secs, mem, "PROPAGATED"))
+    # the input plan's other decisions (recompute, regions, orders, identities) stay
+    return plan.evolve(trees=done.trees, name=name)

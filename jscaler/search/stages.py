@@ -22,7 +22,7 @@ from jscaler.compile.comm import comm_table
 from jscaler.compile.lower import lower
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
-from jscaler.cost.estimate import device_times, needs_grad
+from jscaler.cost.estimate import device_times, needs_grad, value_scale
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
 from jscaler.plan.plan import Plan
@@ -47,9 +47,10 @@ def layer_costs(plan: Plan, cluster: str | Cluster = "cpu", dtype: str = "fp32")
     producer = {t: o.id for o in g.ops for t in o.outputs}
     mesh = plan.mesh
     for r in comm_table(lower(plan, None), 1).rows:
-        if r.tensor in producer:
+        if r.tensor in producer and r.phase != "update":
             fixed = {a: 0 for a in mesh.names if a not in r.axes}
-            t = collective_time(r.collective, r.bytes, mesh.group(**fixed), cl)
+            nbytes = r.bytes * value_scale(dtype)
+            t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl) * r.times
             op_cost[producer[r.tensor]] = op_cost.get(producer[r.tensor], 0.0) + t
     layer_of = {o.id: i for i, lay in enumerate(layers) for o in lay.graph.ops}
     order = [o.id for o in g.ops]
