@@ -598,6 +598,8 @@ def _explain_search(problem, sol) -> str:
             f"{a}: {d}={op.annotation.sizes[d]}" if d else f"{a}: whole"
             for (a, _), d in zip(problem.mesh.axes, strategy)
         )
+        if problem.zero and problem.zero[c][sol.choice[c]]:
+            splits += ", weight ZeRO-2"
         lines.append(f"  {op.path or '(root)':<28} {str(op.annotation):<36} {splits}  x{len(ids)}")
     return "\n".join(lines)
 

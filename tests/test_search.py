@@ -81,6 +81,12 @@ def test_the_searched_plan_trains_like_one_device(gpt_graph, mesh):
     problem, sol = plan.__dict__["search"]
     splits = {s for c, s in enumerate(problem.strategies) for s in [s[sol.choice[c]]]}
     assert len(splits) > 1  # different ops split differently: a mixed plan
+    zeroed = [c for c in range(len(problem.clusters)) if problem.zero[c][sol.choice[c]]]
+    if mesh is None:
+        assert zeroed  # some weights ZeRO-sharded: their update and gradient split
+        upd = plan.pgraph.update_ops
+        assert any(plan.tree(u.id).algo == "split" for u in upd)
+        assert any(plan.tree(u.id).algo == "leaf" for u in upd)
     assert_parity("gpt-tiny", space)
 
 

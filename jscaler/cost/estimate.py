@@ -11,7 +11,8 @@
   links its group spans. Gradient reductions of parameters happen once per step
   (accumulated over micro-batches first, as Megatron-LM and DeepSpeed do; jscaler's SPMD
   runtime still reduces inside each micro-batch) and overlap the backward compute (as DDP
-  buckets do); everything else is exposed.
+  buckets do); everything else is exposed, the optimizer side (ZeRO's all-gather of the
+  updated parameters) included.
 * **Memory per device**: parameters, gradients and optimizer state in their stored,
   gradient and update layouts; the batch; and the activations the backward pass keeps:
   every forward value a non-linear consumer reads (a matmul's operands, an exp's output
@@ -184,8 +185,10 @@ def estimate(
     for r in table.rows:
         fixed = {a: 0 for a in mesh.names if a not in r.axes}
         nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
-        grad = r.phase in ("backward", "update") and (r.tensor in params or r.phase == "update")
-        times = 1 if grad else r.times  # gradients accumulate over micro-batches, reduce once
+        grad = r.phase == "backward" and r.tensor in params
+        # gradients accumulate over micro-batches and reduce once, behind the backward;
+        # the optimizer side (a ZeRO all-gather of the new parameters) runs after it
+        times = 1 if grad or r.phase == "update" else r.times
         t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl, algorithm) * times
         if grad:
             hidden += t

@@ -84,7 +84,7 @@ class IntraOp:
         )
 
 
-SEARCH_VERSION = 2  # bump when the problem or the solver changes what a search returns
+SEARCH_VERSION = 3  # bump when the problem or the solver changes what a search returns
 
 
 def _write_atomically(path, text: str) -> None:

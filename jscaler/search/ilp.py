@@ -127,12 +127,52 @@ def brute_force(p: Problem) -> Solution:
 
 
 def to_plan(p: Problem, sol: Solution, name: str = "") -> Plan:
-    """The plan of a solution: each op split per mesh axis as its cluster's strategy says."""
+    """The plan of a solution: each op split per mesh axis as its cluster's strategy says;
+    where the strategy says ZeRO, the gradient and update of the parameters the op reads
+    first (whole) split over every mesh axis along their largest divisible dim."""
     plan = Plan.create(p.graph, p.mesh, name=name)
-    chosen = {}
+    chosen, sharded = {}, []
     for c, ids in enumerate(p.clusters):
         for op in ids:
             chosen[op] = p.strategies[c][sol.choice[c]]
+        if p.zero and p.zero[c][sol.choice[c]]:
+            sharded.extend(ids)
     for level, (_, size) in enumerate(p.mesh.axes):
         plan = split_ops(plan, {op: s[level] for op, s in chosen.items()}, size)
-    return assign_mesh(plan, p.mesh.names)
+    plan = assign_mesh(plan, p.mesh.names)
+    return _zero(plan, p, sharded) if sharded else plan
+
+
+def _zero(plan: Plan, p: Problem, ops: list[int]) -> Plan:
+    from jscaler.search.problem import shard_dim
+
+    pg = plan.pgraph
+    index = {o.inputs[0]: k for k, o in enumerate(pg.update_ops)}
+    seen, first = set(), {}
+    for op in p.graph.ops:
+        for x in op.tensor_inputs:
+            first.setdefault(x, op.id)
+    vops = []
+    for op_id in ops:
+        op = pg.op(op_id)
+        for x in op.tensor_inputs:
+            if x in seen or first.get(x) != op_id or p.graph.tensors[x].role != "param":
+                continue
+            if any(len(piece) > 1 for piece in _read_split(plan, op, x)):
+                continue  # read split: not ZeRO-sharded
+            dim = shard_dim(p.graph.tensors[x].shape, p.mesh.size)
+            if dim is None:
+                continue
+            seen.add(x)
+            vops += [(pg.grad_ops[index[x]], dim), (pg.update_ops[index[x]], dim)]
+    for _, size in p.mesh.axes:
+        plan = split_ops(plan, {v.id: "abcdefgh"[dim] for v, dim in vops}, size)
+    return assign_mesh(plan, p.mesh.names, ops=[v for v, _ in vops])
+
+
+def _read_split(plan: Plan, op, x):
+    """The distinct slices of input ``x`` the op's pieces read (one: read whole)."""
+    from jscaler.plan.pieces import op_pieces
+
+    k = op.inputs.index(x)
+    return [{p.inputs[k].slices for p in op_pieces(plan, op)}]

@@ -63,6 +63,7 @@ class Problem:
     memory: list[list[float]]  # per cluster, per strategy: bytes per device
     edges: dict = field(default_factory=dict)  # (cluster a, cluster b) -> [[seconds]]
     capacity: float | None = None
+    zero: list = field(default_factory=list)  # per cluster, per strategy: ZeRO-2 its params
 
     @property
     def size(self) -> int:
@@ -151,8 +152,10 @@ def build_problem(
     capacity: float | None = None,
     optimizer_slots: int = 0,
     algorithm: str = "ring",
+    zero: bool = True,
 ) -> Problem:
-    """The search problem of ``graph`` on ``mesh`` (see the module doc)."""
+    """The search problem of ``graph`` on ``mesh`` (see the module doc); ``zero``: offer
+    ZeRO-2 for the parameters an op reads whole (each op's strategies twice)."""
     cl = get_cluster(cluster)
     roof = cl.peak(dtype) * cl.efficiency
     sizes = mesh.shape
@@ -182,9 +185,11 @@ def build_problem(
     def coll(kind, b, axes) -> float:
         return collective_time(kind, b, group(axes), cl, algorithm)
 
-    def node_cost(op: Op, s: Strategy) -> tuple[float, float, float, float]:
+    def node_cost(op: Op, s: Strategy, zero: bool = False) -> tuple[float, float, float, float]:
         """(seconds exposed, seconds of parameter-gradient reduction, backward seconds,
-        bytes kept)."""
+        bytes kept); ``zero``: the parameters it reads first (whole) are ZeRO-2 sharded
+        over every mesh axis: gradients reduce-scattered, the update and its state split,
+        the new parameters all-gathered."""
         ann = op.annotation
         share = 1.0 / math.prod(sizes[a] for a, d in zip(names, s) if d is not None)
         diff = op.primitive not in NON_DIFFERENTIABLE and any(t in needs for t in op.outputs)
@@ -206,22 +211,47 @@ def build_problem(
                 continue
             lay = layout(dims, s, mesh, ann.kinds, False)
             missing = tuple(sorted(used - lay.axes_used()))
+            param = graph.tensors[x].role == "param"
+            sharded = zero and param and first_reader.get(x) == op.id and not lay.axes_used()
             if diff and x in needs and missing:
-                red = coll("all-reduce", local(x, lay), missing)
-                if graph.tensors[x].role == "param":
-                    grads += red
+                if sharded:  # reduce-scatter (hidden), all-gather after the update (not)
+                    grads += coll("reduce-scatter", local(x, lay), missing)
+                    t += coll("all-gather", local(x, lay), names)
+                elif param:
+                    grads += coll("all-reduce", local(x, lay), missing)
                 else:
-                    t += red
+                    t += coll("all-reduce", local(x, lay), missing)
             if first_reader.get(x) == op.id:
-                copies = 2 + optimizer_slots if graph.tensors[x].role == "param" else 1
-                mem += copies * local(x, lay)
+                if not param:
+                    mem += local(x, lay)
+                    continue
+                k = mesh.size if sharded else 1
+                t += (3 + 2 * optimizer_slots) * local(x, lay) / k / cl.memory_bandwidth
+                mem += local(x, lay) + (1 + optimizer_slots) * local(x, lay) / k
         return t, grads, back * once, mem
 
-    strategies, node, hidden, backward, memory = [], [], [], [], []
+    def zero_ok(op: Op, s: Strategy) -> bool:
+        """Whether ZeRO-2 applies: the op first-reads a parameter whole, with a dim the
+        device count divides."""
+        if not zero or op.annotation is None:
+            return False
+        for dims, x in zip(op.annotation.inputs, op.inputs):
+            if isinstance(x, Literal) or graph.tensors[x].role != "param":
+                continue
+            lay = layout(dims, s, mesh, op.annotation.kinds, False)
+            if first_reader.get(x) == op.id and not lay.axes_used():
+                if shard_dim(graph.tensors[x].shape, mesh.size) is not None:
+                    return True
+        return False
+
+    strategies, node, hidden, backward, memory, zeros = [], [], [], [], [], []
     for ids in clusters:
-        strats = _strategies(ops[ids[0]], mesh)
-        costs = [[node_cost(ops[o], s) for o in ids] for s in strats]
-        strategies.append(strats)
+        base = _strategies(ops[ids[0]], mesh)
+        plain = [(s, False) for s in base]
+        strats = plain + [(s, True) for s in base if zero_ok(ops[ids[0]], s)]
+        costs = [[node_cost(ops[o], s, z) for o in ids] for s, z in strats]
+        strategies.append([s for s, _ in strats])
+        zeros.append([z for _, z in strats])
         for k, table in enumerate((node, hidden, backward, memory)):
             table.append([sum(c[k] for c in cs) for cs in costs])
 
@@ -264,8 +294,19 @@ def build_problem(
                 mat = [[u + v for u, v in zip(r1, r2)] for r1, r2 in zip(old, mat)]
             edges[key] = mat
     return Problem(
-        graph, mesh, cl, clusters, strategies, node, hidden, backward, memory, edges, capacity
-    )
+        graph, mesh, cl, clusters, strategies, node, hidden, backward, memory, edges, capacity,
+        zeros,
+    )  # fmt: skip
+
+
+def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
+    """The largest dim n divides (the first of equals), or None: where ZeRO splits a
+    parameter's gradient, update and optimizer state."""
+    best = None
+    for a, size in enumerate(shape):
+        if size % n == 0 and size >= n and (best is None or size > shape[best]):
+            best = a
+    return best
 
 
 def _whole(shape) -> Layout:
