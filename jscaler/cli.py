@@ -468,7 +468,7 @@ def _plan_cmd(args) -> int:
     import models
     from jscaler import PipelinePlan, Plan, PlanError, trace
     from jscaler.cost import estimate, estimate_pipeline, get_cluster
-    from jscaler.search import intra_op
+    from jscaler.search import explain, intra_op
 
     spec = models.get(args.model)
     batch = spec.batch(spec.batch_size, 0)
@@ -528,7 +528,7 @@ def _plan_cmd(args) -> int:
         )
         if args.explain and "search" in plan.__dict__:
             problem, sol = plan.__dict__["search"]
-            print(_explain_search(problem, sol))
+            print(explain(problem, sol))
     if args.json:
         print(json.dumps({"model": spec.name, "cluster": cluster.name, "plans": rows}, indent=1))
         return 0
@@ -579,29 +579,6 @@ def _mesh_arg(text: str):
         return [(k.strip(), int(v)) for k, v in (kv.split("=") for kv in text.split(","))]
     except ValueError:
         raise PlanError(f'--mesh {text!r}: expected axis=size pairs, e.g. "dp=2,tp=4"') from None
-
-
-def _explain_search(problem, sol) -> str:
-    """The searched strategy of each weight op cluster (and how many ops it stands for)."""
-    ops = {o.id: o for o in problem.graph.ops}
-    lines = [
-        f"searched on mesh {problem.mesh}: {len(problem.clusters)} clusters of "
-        f"{len(problem.graph.ops)} ops, {problem.size} strategies, {sol.status} in "
-        f"{sol.wall:.1f} s; contractions and lookups:"
-    ]
-    for c, ids in enumerate(problem.clusters):
-        op = ops[ids[0]]
-        if op.primitive not in ("dot_general", "conv_general_dilated", "gather"):
-            continue
-        strategy = problem.strategies[c][sol.choice[c]]
-        splits = ", ".join(
-            f"{a}: {d}={op.annotation.sizes[d]}" if d else f"{a}: whole"
-            for (a, _), d in zip(problem.mesh.axes, strategy)
-        )
-        if problem.zero and problem.zero[c][sol.choice[c]]:
-            splits += ", weight ZeRO-2"
-        lines.append(f"  {op.path or '(root)':<28} {str(op.annotation):<36} {splits}  x{len(ids)}")
-    return "\n".join(lines)
 
 
 def _verify(args) -> int:

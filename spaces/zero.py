@@ -23,18 +23,10 @@ from jscaler.plan import (
     op_trans,
     recompute_layers,
     replicate,
+    shard_dim,
     split,
     split_classes,
 )
-
-
-def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
-    """The largest dim divisible by n (the first of equals), or None."""
-    best = None
-    for a, size in enumerate(shape):
-        if size % n == 0 and size >= n and (best is None or size > shape[best]):
-            best = a
-    return best
 
 
 @dataclass(frozen=True)

@@ -102,11 +102,25 @@ def value_scale(dtype: str) -> float:
     return 0.5 if dtype in HALF else 1.0
 
 
-def _local(shape, itemsize: int, layout: Layout | None, sizes) -> float:
+def local_bytes(g, t: int, layout: Layout | None, sizes) -> float:
+    """Bytes of tensor ``t`` each device holds in ``layout`` (None: whole)."""
+    tensor = g.tensors[t]
+    whole = math.prod(tensor.shape) * jnp.dtype(tensor.dtype).itemsize
     if layout is None:
-        return math.prod(shape) * itemsize
-    parts = math.prod(sizes[a] for axes in layout.spec for a in axes)
-    return math.prod(shape) * itemsize / parts
+        return whole
+    return whole / math.prod(sizes[a] for axes in layout.spec for a in axes)
+
+
+def memory_breakdown(params, grads, optimizer, batch, activations) -> dict:
+    """The per-device memory dict of an :class:`Estimate` (bytes; ``total`` added)."""
+    parts = {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "batch": batch,
+        "activations": activations,
+    }
+    return parts | {"total": sum(parts.values())}
 
 
 def _bwd_factor(op, needs) -> float:
@@ -287,8 +301,7 @@ def needs_grad(g) -> set[int]:
 
 def _memory(low, g, sizes, slots: int, recomputed: set[int], scale: float = 1.0) -> dict:
     def size(t, layout):
-        tensor = g.tensors[t]
-        return _local(tensor.shape, jnp.dtype(tensor.dtype).itemsize, layout, sizes)
+        return local_bytes(g, t, layout, sizes)
 
     params = sum(size(t, low.storage[t]) for t in low.update)
     grads = sum(size(t, low.grad[t]) for t in low.grad)
@@ -306,12 +319,4 @@ def _memory(low, g, sizes, slots: int, recomputed: set[int], scale: float = 1.0)
             sum(size(t, produced[t]) for o in grp for t in g.op(o).outputs if t in whole)
             for grp in low.plan.recompute
         )
-    total = params + grads + opt + batch + acts
-    return {
-        "params": params,
-        "grads": grads,
-        "optimizer": opt,
-        "batch": batch,
-        "activations": acts,
-        "total": total,
-    }
+    return memory_breakdown(params, grads, opt, batch, acts)

@@ -30,6 +30,8 @@ from jscaler.cost.estimate import (
     Estimate,
     device_times,
     flops_of,
+    local_bytes,
+    memory_breakdown,
     needs_grad,
     saved_for_backward,
     value_scale,
@@ -228,9 +230,7 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, slo
     sizes = gp.mesh.shape
 
     def size(t, layout):
-        tensor = g.tensors[t]
-        n = math.prod(sizes[a] for axes in layout.spec for a in axes) if layout else 1
-        return math.prod(tensor.shape) * jnp.dtype(tensor.dtype).itemsize / n
+        return local_bytes(g, t, layout, sizes)
 
     mine = [o for o in g.ops if stage_of.get(o.id) in stages]
     read = {x for o in mine for x in o.tensor_inputs}
@@ -254,12 +254,4 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, slo
             if t in saved and not isinstance(t, Literal)
         ]
         acts += scale * flight[s] * sum(size(t, lay) for t, lay in outs)
-    total = p_bytes + grads + opt + batch + acts
-    return {
-        "params": p_bytes,
-        "grads": grads,
-        "optimizer": opt,
-        "batch": batch,
-        "activations": acts,
-        "total": total,
-    }
+    return memory_breakdown(p_bytes, grads, opt, batch, acts)

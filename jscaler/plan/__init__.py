@@ -10,6 +10,7 @@ from jscaler.plan.helpers import assign_mesh as assign_mesh
 from jscaler.plan.helpers import batch_axes as batch_axes
 from jscaler.plan.helpers import data_parallel as data_parallel
 from jscaler.plan.helpers import recompute_layers as recompute_layers
+from jscaler.plan.helpers import shard_dim as shard_dim
 from jscaler.plan.helpers import split_classes as split_classes
 from jscaler.plan.helpers import split_ops as split_ops
 from jscaler.plan.mesh import MeshSpec as MeshSpec

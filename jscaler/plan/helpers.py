@@ -28,6 +28,7 @@ __all__ = [
     "batch_axes",
     "data_parallel",
     "recompute_layers",
+    "shard_dim",
     "split_classes",
     "split_ops",
 ]
@@ -52,6 +53,16 @@ def batch_axes(graph: Graph, n: int | None = None) -> list[tuple[int, int]]:
                 f"micro-batches divide by {n}"
             )
     return seeds
+
+
+def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
+    """The largest dim n divides (the first of equals), or None: where ZeRO splits a
+    parameter's gradient, update and optimizer state n ways."""
+    best = None
+    for a, size in enumerate(shape):
+        if size % n == 0 and size >= n and (best is None or size > shape[best]):
+            best = a
+    return best
 
 
 def split_classes(

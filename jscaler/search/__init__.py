@@ -13,6 +13,7 @@ from jscaler.search.auto import IntraOp as IntraOp
 from jscaler.search.auto import intra_op as intra_op
 from jscaler.search.ilp import Solution as Solution
 from jscaler.search.ilp import brute_force as brute_force
+from jscaler.search.ilp import explain as explain
 from jscaler.search.ilp import solve as solve
 from jscaler.search.ilp import to_plan as to_plan
 from jscaler.search.order import OrderResult as OrderResult

@@ -16,11 +16,12 @@ import itertools
 from dataclasses import dataclass
 
 from jscaler.errors import PlanError
-from jscaler.plan.helpers import assign_mesh, split_ops
+from jscaler.plan.helpers import assign_mesh, shard_dim, split_ops
+from jscaler.plan.pieces import op_pieces
 from jscaler.plan.plan import Plan
 from jscaler.search.problem import Problem, objective
 
-__all__ = ["Solution", "brute_force", "solve", "to_plan"]
+__all__ = ["Solution", "brute_force", "explain", "solve", "to_plan"]
 
 NS = 1e9  # objective unit: nanoseconds
 KB = 1024  # memory unit
@@ -144,8 +145,6 @@ def to_plan(p: Problem, sol: Solution, name: str = "") -> Plan:
 
 
 def _zero(plan: Plan, p: Problem, ops: list[int]) -> Plan:
-    from jscaler.search.problem import shard_dim
-
     pg = plan.pgraph
     index = {o.inputs[0]: k for k, o in enumerate(pg.update_ops)}
     seen, first = set(), {}
@@ -158,7 +157,8 @@ def _zero(plan: Plan, p: Problem, ops: list[int]) -> Plan:
         for x in op.tensor_inputs:
             if x in seen or first.get(x) != op_id or p.graph.tensors[x].role != "param":
                 continue
-            if any(len(piece) > 1 for piece in _read_split(plan, op, x)):
+            k = op.inputs.index(x)
+            if len({q.inputs[k].slices for q in op_pieces(plan, op)}) > 1:
                 continue  # read split: not ZeRO-sharded
             dim = shard_dim(p.graph.tensors[x].shape, p.mesh.size)
             if dim is None:
@@ -170,9 +170,24 @@ def _zero(plan: Plan, p: Problem, ops: list[int]) -> Plan:
     return assign_mesh(plan, p.mesh.names, ops=[v for v, _ in vops])
 
 
-def _read_split(plan: Plan, op, x):
-    """The distinct slices of input ``x`` the op's pieces read (one: read whole)."""
-    from jscaler.plan.pieces import op_pieces
-
-    k = op.inputs.index(x)
-    return [{p.inputs[k].slices for p in op_pieces(plan, op)}]
+def explain(problem: Problem, sol: Solution) -> str:
+    """The searched strategy of each weight op cluster (and how many ops it stands for)."""
+    ops = {o.id: o for o in problem.graph.ops}
+    lines = [
+        f"searched on mesh {problem.mesh}: {len(problem.clusters)} clusters of "
+        f"{len(problem.graph.ops)} ops, {problem.size} strategies, {sol.status} in "
+        f"{sol.wall:.1f} s; contractions and lookups:"
+    ]
+    for c, ids in enumerate(problem.clusters):
+        op = ops[ids[0]]
+        if op.primitive not in ("dot_general", "conv_general_dilated", "gather"):
+            continue
+        strategy = problem.strategies[c][sol.choice[c]]
+        splits = ", ".join(
+            f"{a}: {d}={op.annotation.sizes[d]}" if d else f"{a}: whole"
+            for (a, _), d in zip(problem.mesh.axes, strategy)
+        )
+        if problem.zero and problem.zero[c][sol.choice[c]]:
+            splits += ", weight ZeRO-2"
+        lines.append(f"  {op.path or '(root)':<28} {str(op.annotation):<36} {splits}  x{len(ids)}")
+    return "\n".join(lines)

@@ -39,8 +39,9 @@ from jscaler.compile.comm import NON_DIFFERENTIABLE, convert
 from jscaler.compile.layout import Layout
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
-from jscaler.cost.estimate import CONTRACTIONS, needs_grad, saved_for_backward
+from jscaler.cost.estimate import CONTRACTIONS, local_bytes, needs_grad, saved_for_backward
 from jscaler.ir.graph import Graph, Literal, Op
+from jscaler.plan.helpers import shard_dim
 from jscaler.plan.mesh import MeshSpec
 
 __all__ = ["Problem", "Strategy", "build_problem", "objective"]
@@ -173,11 +174,10 @@ def build_problem(
     producer = {t: o.id for o in graph.ops for t in o.outputs}
 
     def nbytes(t) -> float:
-        tensor = graph.tensors[t]
-        return math.prod(tensor.shape) * jnp.dtype(tensor.dtype).itemsize
+        return local_bytes(graph, t, None, sizes)
 
     def local(t, lay: Layout) -> float:
-        return nbytes(t) / math.prod(sizes[a] for axes in lay.spec for a in axes)
+        return local_bytes(graph, t, lay, sizes)
 
     def group(axes) -> tuple[int, ...]:
         return mesh.group(**{a: 0 for a in names if a not in axes})
@@ -297,16 +297,6 @@ def build_problem(
         graph, mesh, cl, clusters, strategies, node, hidden, backward, memory, edges, capacity,
         zeros,
     )  # fmt: skip
-
-
-def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
-    """The largest dim n divides (the first of equals), or None: where ZeRO splits a
-    parameter's gradient, update and optimizer state."""
-    best = None
-    for a, size in enumerate(shape):
-        if size % n == 0 and size >= n and (best is None or size > shape[best]):
-            best = a
-    return best
 
 
 def _whole(shape) -> Layout:
