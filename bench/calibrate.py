@@ -71,3 +71,12 @@ def table(rows) -> list[str]:
         "MFU", "step s", "took s",
     ]  # fmt: skip
     return columns(cols, rows, left=1)
+
+
+def main(args) -> int:
+    print(
+        "Megatron-LM GPT on DGX A100 (published) vs the cost model on a100_80g, fp16, "
+        "full recomputation; TF/GPU counts the recomputation (hardware FLOPs)"
+    )
+    print("\n".join(table(run())))
+    return 0

@@ -48,3 +48,13 @@ def table(rows) -> list[str]:
         "with rules: makespan", "status", "s", "rules speed-up",
     ]  # fmt: skip
     return columns(cols, rows, left=1)
+
+
+def main(args) -> int:
+    ms = (args.microbatches,) if args.microbatches else (4, 8, 16)
+    print(
+        f"op-order search (CP-SAT, 1 worker) at {args.pp} stages under 1F1B's memory "
+        "bound; unit costs F=1, B=2; makespans in those units"
+    )
+    print("\n".join(table(run(args.pp, ms))))
+    return 0

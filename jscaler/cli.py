@@ -203,7 +203,8 @@ def _parser() -> argparse.ArgumentParser:
         "'coshard' compares coshard's activation memory with plain tensor parallelism; "
         "'cost' holds the cost model's memory and collective predictions to XLA's; "
         "'order' times the op-order search with and without order rules; 'calibrate' "
-        "holds the simulated Megatron-LM baseline to published throughput",
+        "holds the simulated Megatron-LM baseline to published throughput; 'paper' "
+        "reproduces nnScaler's end-to-end table (SIMULATED)",
         description="Run a benchmark and print its table. 'spmd': for one model on N "
         "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
         "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
@@ -219,11 +220,14 @@ def _parser() -> argparse.ArgumentParser:
         "the CP-SAT block scheduler under 1F1B's memory bound, free and with the paper's "
         "order rules (tables 4, 7), for 3F1B and 1F1B at --pp stages. 'calibrate': "
         "Megatron-LM's published GPT runs on A100s (Narayanan et al. 2021, table 1) "
-        "beside the cost model's prediction for the same shape, plan and GPU count.",
+        "beside the cost model's prediction for the same shape, plan and GPU count. 'paper': "
+        "nnScaler's section 8.3 on the cost model: Swin, T5 and AlphaFold2 at 4-32 V100s of "
+        "DGX-2 and DGX-1, each system's best setting of a grid (--model and --devices narrow "
+        "it; 2 worker processes).",
     )
     be.add_argument(
         "which",
-        choices=["spmd", "pipeline", "coshard", "cost", "order", "calibrate"],
+        choices=["spmd", "pipeline", "coshard", "cost", "order", "calibrate", "paper"],
         help="the benchmark",
     )
     be.add_argument(
@@ -619,25 +623,10 @@ def _bench(args) -> int:
         return _bench_coshard(args)
     if args.which == "cost":
         return _bench_cost(args)
-    if args.which == "calibrate":
-        from bench import calibrate
+    if args.which in ("calibrate", "order", "paper"):
+        import importlib
 
-        print(
-            "Megatron-LM GPT on DGX A100 (published) vs the cost model on a100_80g, fp16, "
-            "full recomputation; TF/GPU counts the recomputation (hardware FLOPs)"
-        )
-        print("\n".join(calibrate.table(calibrate.run())))
-        return 0
-    if args.which == "order":
-        from bench import order
-
-        ms = (args.microbatches,) if args.microbatches else (4, 8, 16)
-        print(
-            f"op-order search (CP-SAT, 1 worker) at {args.pp} stages under 1F1B's memory "
-            "bound; unit costs F=1, B=2; makespans in those units"
-        )
-        print("\n".join(order.table(order.run(args.pp, ms))))
-        return 0
+        return importlib.import_module(f"bench.{args.which}").main(args)
     from bench import spmd
 
     n = args.devices or 8

@@ -30,6 +30,7 @@ class AlphaFold3F1B:
     tp: int = 1
     dp: int | None = None
     dap: int = 1
+    recompute: float = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> jscaler.PipelinePlan:
         if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 2:
@@ -46,7 +47,10 @@ class AlphaFold3F1B:
                 f"alphafold_3f1b: tp={self.tp} and dap={self.dap} both split inside a stage; "
                 f"choose one (dap splits the activations, tp the weights)"
             )
-        inner = dap(self.dap, self.dp) if self.dap > 1 else megatron(tp=self.tp, dp=self.dp)
+        r = self.recompute
+        inner = (
+            dap(self.dap, self.dp, r) if self.dap > 1 else megatron(self.tp, self.dp, recompute=r)
+        )
         plan = pipeline(graph, inner, self.pp, n_devices)
         dp = plan.groups[0].plan.mesh.shape["dp"]
         split = f"dap={self.dap}" if self.dap > 1 else f"tp={self.tp}"
@@ -54,7 +58,10 @@ class AlphaFold3F1B:
         return replace(plan, name=name, schedule=three_f_one_b)
 
 
-def alphafold_3f1b(pp: int = 2, tp: int = 1, dp: int | None = None, dap: int = 1) -> AlphaFold3F1B:
+def alphafold_3f1b(
+    pp: int = 2, tp: int = 1, dp: int | None = None, dap: int = 1, recompute: float = 0
+) -> AlphaFold3F1B:
     """``pp`` pipeline stages of Evoformer blocks, each ``megatron(tp, dp)`` (or with
-    ``dap`` > 1, ``dap(dap, dp)``) on its own devices, scheduled with 3F1B."""
-    return AlphaFold3F1B(pp, tp, dp, dap)
+    ``dap`` > 1, ``dap(dap, dp)``) on its own devices, scheduled with 3F1B; ``recompute``:
+    the fraction of repeated layers to checkpoint."""
+    return AlphaFold3F1B(pp, tp, dp, dap, recompute)

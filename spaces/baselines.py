@@ -44,6 +44,10 @@ class AlpaLike:
     capacity: float | None = None
     slicing: str = "even"
     microbatches: int = 4
+    dtype: str = "fp32"
+    optimizer_slots: int = 0
+    recompute: float = 0
+    time_limit: float = 10.0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int):
         if self.slicing not in ("even", "dp"):
@@ -61,7 +65,10 @@ class AlpaLike:
             from jscaler.cost import get_cluster
 
             capacity = self.pp * (capacity or get_cluster(self.cluster).memory)
-        inner = jscaler.intra_op(dict(self.mesh) or None, self.cluster, capacity)
+        inner = jscaler.intra_op(
+            dict(self.mesh) or None, self.cluster, capacity, self.dtype, self.optimizer_slots,
+            self.time_limit, recompute=self.recompute,
+        )  # fmt: skip
         if self.pp == 1:
             plan = inner(graph, n_devices)
             return plan.evolve(name=f"alpa_like({plan.name})")
@@ -83,9 +90,18 @@ def alpa_like(
     capacity: float | None = None,
     slicing: str = "even",
     microbatches: int = 4,
+    dtype: str = "fp32",
+    optimizer_slots: int = 0,
+    recompute: float = 0,
+    time_limit: float = 10.0,
 ) -> AlpaLike:
     """Alpa: ``pp`` pipeline stages (``slicing="even"``, or ``"dp"``: balanced by dynamic
     programming for ``microbatches``), each stage's devices running the op-trans /
     op-assign ILP's plan for ``cluster`` (on ``mesh``, default one axis over the stage's
-    devices)."""
-    return AlpaLike(pp, cluster, tuple((mesh or {}).items()), capacity, slicing, microbatches)
+    devices), costed in ``dtype`` with ``optimizer_slots`` fp32 values of optimizer state
+    per parameter; ``recompute``: the fraction of repeated layers checkpointed in the
+    searched plan; ``time_limit``: the ILP's deterministic-time limit per stage mesh."""
+    return AlpaLike(
+        pp, cluster, tuple((mesh or {}).items()), capacity, slicing, microbatches, dtype,
+        optimizer_slots, recompute, time_limit,
+    )  # fmt: skip

@@ -50,7 +50,7 @@ class Coshard:
         base = Megatron(self.tp, self.dp, precision=self.precision)(graph, n_devices)
         dp = base.mesh.shape["dp"]
         plan = base.evolve(name=f"coshard(tp={self.tp}, colocate={self.colocate}, dp={dp})")
-        classes = DimClasses(plan.pgraph.graph)
+        classes = DimClasses.for_graph(plan.pgraph.graph)
         chosen = _chosen_ops(graph, self.layers)
         regions = 0
         seeds, _ = tp_seeds(graph, classes)

@@ -117,7 +117,7 @@ class DAP:
         dp = _infer_dp(n_devices, self.dap, 1, self.dp, "dap")
         mesh = MeshSpec.create(dp=dp, dap=self.dap)
         plan = Plan.create(graph, mesh, name=f"dap(dap={self.dap}, dp={dp})")
-        classes = DimClasses(plan.pgraph.graph)
+        classes = DimClasses.for_graph(plan.pgraph.graph)
         plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
         plan = axial_split(plan, plan.pgraph.graph, self.dap, classes)
         plan = zero_over(assign_mesh(plan, ["dp", "dap"]), graph, self.zero)

@@ -29,6 +29,7 @@ class Interlaced:
     dp: int | None = None
     precision: str = "fp32"
     head: bool = True
+    recompute: float = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> jscaler.PipelinePlan:
         if self.pp < 1 or n_devices % self.pp:
@@ -36,7 +37,9 @@ class Interlaced:
                 f"interlaced(pp={self.pp}) needs a device count divisible by pp; got {n_devices}"
             )
         size = n_devices // self.pp
-        inner = megatron(tp=self.tp, dp=self.dp, precision=self.precision)(graph, size)
+        inner = megatron(
+            tp=self.tp, dp=self.dp, precision=self.precision, recompute=self.recompute
+        )(graph, size)
         layers = graph.layers()
         if len(layers) < self.pp:
             raise jscaler.PlanError(
@@ -72,7 +75,7 @@ class Interlaced:
 def embedding_over_all(graph: jscaler.Graph, n: int) -> Plan:
     """Every embedding table split by vocabulary over n devices; all else replicated."""
     plan = Plan.create(graph, MeshSpec.create(tp=n), name=f"embedding(tp={n})")
-    classes = DimClasses(plan.pgraph.graph)
+    classes = DimClasses.for_graph(plan.pgraph.graph)
     seeds, _ = tp_seeds(graph, classes)
     tables = [(t, axis) for t, axis in seeds if _is_lookup_table(graph, t)]
     if not tables:
@@ -92,10 +95,16 @@ def _is_lookup_table(graph: jscaler.Graph, t: int) -> bool:
 
 
 def interlaced(
-    pp: int = 2, tp: int = 1, dp: int | None = None, precision: str = "fp32", head: bool = True
+    pp: int = 2,
+    tp: int = 1,
+    dp: int | None = None,
+    precision: str = "fp32",
+    head: bool = True,
+    recompute: float = 0,
 ):
     """The interlaced pipeline: ``pp`` stages of layers (each ``megatron(tp, dp)``) and the
     embedding (with ``head``, also the ops after the last layer: the tied LM head and the
     loss) split by vocabulary over every device. Runs with ``schedules.interlaced_head``
-    (``schedules.interlaced`` without the head)."""
-    return Interlaced(pp, tp, dp, precision, head)
+    (``schedules.interlaced`` without the head); ``recompute``: the fraction of repeated
+    layers to checkpoint."""
+    return Interlaced(pp, tp, dp, precision, head, recompute)

@@ -83,7 +83,7 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
             if axis is None:
                 continue
             cls = classes.of(x, axis)
-            if _spans_layers(classes, cls, layer_of):
+            if _spans_layers(graph, classes, cls, layer_of):
                 break  # a residual stream (a linear patch embedding's output): not a region
             if _needed_whole(graph, classes, op, cls):
                 heads.append(op)
@@ -94,11 +94,22 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
     return seeds, heads
 
 
-def _spans_layers(classes: DimClasses, cls, layer_of: dict[int, int]) -> bool:
-    """True when ops of more than one repeated layer carry the class: the features of a
-    residual stream (what a linear embedding writes), which every layer reads and adds
-    to. Megatron splits the layers' own classes (heads, hidden features) instead."""
-    return len({layer_of[op.id] for op, _ in classes.op_dims(cls) if op.id in layer_of}) > 1
+def _spans_layers(graph: jscaler.Graph, classes: DimClasses, cls, layer_of: dict[int, int]) -> bool:
+    """True when a tensor carrying the class flows from one repeated layer into another:
+    the features of a residual stream (what a linear embedding writes), which every layer
+    reads and adds to. Megatron splits the layers' own classes (heads, hidden features)
+    instead, including one that several layers read from a value made outside them (T5's
+    relative-position bias, computed once per stack, carries every layer's heads)."""
+    for op, _ in classes.op_dims(cls):
+        here = layer_of.get(op.id)
+        if here is None:
+            continue
+        for t in op.outputs:
+            users = [u for u in graph.consumers(t) if layer_of.get(u.id, here) != here]
+            rank = len(graph.tensors[t].shape)
+            if users and any(classes.of(t, a) == cls for a in range(rank)):
+                return True
+    return False
 
 
 def tp_regions(classes: DimClasses, seeds, pieces: int):
@@ -146,7 +157,7 @@ class Megatron:
         regions = ", regions=True" if self.regions else ""
         name = f"megatron(tp={self.tp}, dp={dp}{sp}{zero}{regions})"
         plan = Plan.create(graph, mesh, name=name)
-        classes = DimClasses(plan.pgraph.graph)
+        classes = DimClasses.for_graph(plan.pgraph.graph)
         plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
         seeds, heads = tp_seeds(graph, classes)
         if not seeds and self.tp > 1:

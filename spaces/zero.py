@@ -90,7 +90,9 @@ def shard_params(
     if forward:
         identities = set(pg.identity_of.values())
         rest = [o for o in pg.graph.ops if o.id not in identities]
-        plan = split_classes(plan, batch_axes(graph, n), n, ops=rest, classes=DimClasses(pg.graph))
+        plan = split_classes(
+            plan, batch_axes(graph, n), n, ops=rest, classes=DimClasses.for_graph(pg.graph)
+        )
         plan = assign_mesh(plan, [axis], ops=rest)
     return assign_mesh(plan, [*replicas, axis], ops=virtual)
 

@@ -84,3 +84,26 @@ def test_pipeline_estimate_runs_the_schedule_on_stage_costs(gpt):
     alpa = alpa_like(pp=2, cluster="dgx2_v100")(graph, 8)
     assert isinstance(alpa, jscaler.PipelinePlan) and alpa.name.startswith("alpa_like(pp=2")
     assert estimate_pipeline(alpa, "dgx2_v100", microbatches=8).step_time > 0
+
+
+def test_coshard_keeps_one_piece_of_a_recomputed_layer():
+    from spaces import coshard
+
+    spec = models.get("swin-tiny")
+    batch = spec.batch(spec.batch_size, 0)
+    graph = jscaler.trace(spec.loss, spec.init(0), batch)
+    acts = {}
+    for name, space in [
+        ("megatron", megatron(tp=2, recompute=1)),
+        ("coshard", coshard(tp=2, colocate=2, layers=1, recompute=1)),
+        ("coshard alone", coshard(tp=2, colocate=2, layers=1)),
+        ("megatron alone", megatron(tp=2)),
+    ]:
+        est = estimate(space(graph, 8), "dgx2_v100")
+        acts[name] = est.memory["activations"]
+        if name == "coshard":  # its regions run forward again: HFU counts them
+            assert est.hfu > est.mfu
+    # the first layer is Swin's largest: its backward holds half of it under coshard
+    assert acts["coshard"] < acts["megatron"]
+    # without recomputation, the coshard region keeps only its inputs
+    assert acts["coshard alone"] < acts["megatron alone"]

@@ -68,6 +68,17 @@ def test_memory_capacity_changes_the_plan_and_gives_it_back(gpt_graph):
         solve(build_problem(gpt_graph, mesh, "dgx2_v100", capacity=1e4))
 
 
+def test_recompute_in_the_search_trades_memory_for_time(gpt_graph):
+    mesh = MeshSpec.create(d=8)
+    kept = solve(build_problem(gpt_graph, mesh, "dgx2_v100"))
+    redo = build_problem(gpt_graph, mesh, "dgx2_v100", recompute=1)
+    # the same choice keeps only the layers' inputs and runs their forward twice
+    assert objective(redo, kept.choice)[1] < kept.memory
+    assert objective(redo, kept.choice)[0] > kept.seconds
+    plan = intra_op(None, "dgx2_v100", recompute=1, cache=False)(gpt_graph, 8)
+    assert len(plan.recompute) == len(gpt_graph.layers())
+
+
 def test_search_is_deterministic_and_clusters_repeated_layers(gpt_graph):
     p = build_problem(gpt_graph, MeshSpec.create(d=8), "cpu")
     assert len(p.clusters) < len(gpt_graph.ops) - len(gpt_graph.layers()[0].graph.ops)

@@ -8,6 +8,7 @@ none, and checks it by recomputing every device's piece from it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -108,6 +109,11 @@ def layout_of(mesh: MeshSpec, shape: tuple[int, ...], masks: dict[int, Mask], wh
 
 def expected_mask(mesh: MeshSpec, shape, layout: Layout, device: int) -> Mask:
     """The piece a device holds under a layout."""
+    return _expected_mask(mesh, tuple(shape), layout, device)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _expected_mask(mesh: MeshSpec, shape, layout: Layout, device: int) -> Mask:
     coords = mesh.coords(device)
     sizes = mesh.shape
     m = Mask.full(shape)

@@ -78,7 +78,17 @@ class Lowered:
 def lower(plan: Plan, devices) -> Lowered:
     """Lowers a validated plan onto ``devices`` (device i of the plan = ``devices[i]``);
     ``devices=None`` gives the layouts alone (no mesh: for the cost model, which plans
-    for devices this process does not have)."""
+    for devices this process does not have; computed once per plan)."""
+    if devices is None:
+        found = plan.__dict__.get("_abstract_lowering")
+        if found is None:
+            found = _lower(plan, None)
+            object.__setattr__(plan, "_abstract_lowering", found)
+        return found
+    return _lower(plan, devices)
+
+
+def _lower(plan: Plan, devices) -> Lowered:
     spec = plan.mesh
     mesh = None
     if devices is not None:

@@ -16,7 +16,9 @@
 * **Memory per device**: parameters, gradients and optimizer state in their stored,
   gradient and update layouts; the batch; and the activations the backward pass keeps:
   every forward value a non-linear consumer reads (a matmul's operands, an exp's output
-  ...), in its layout, except inside recomputed layers (their inputs only).
+  ...), in its layout, except inside recomputed layers and coshard regions (their inputs
+  only); plus the working set of the largest recomputed group while its backward runs
+  (a coshard region inside it counts one colocated piece: the pieces run one at a time).
 * **MFU / HFU**: model FLOPs per step (forward + backward of the unsplit graph, 3x its
   forward FLOPs as in PaLM's appendix B) over step time x devices x peak; HFU counts the
   recomputed forward too.
@@ -39,6 +41,7 @@ from jscaler.compile.lower import lower
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
 from jscaler.ir.graph import Literal
+from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
 
 __all__ = ["Estimate", "estimate", "needs_grad", "saved_for_backward"]
@@ -176,7 +179,7 @@ def estimate(
     sizes = mesh.shape
     low = lower(plan, None)
     needs = needs_grad(g)
-    recomputed = {o for grp in plan.recompute for o in grp}
+    recomputed = recomputed_ops(plan)
 
     times = device_times(plan, cl, dtype, needs, recomputed)
     fwd = {d: 0.0 for d in mesh.devices}
@@ -234,7 +237,7 @@ def flops_of(g, needs, recomputed, ops=None) -> tuple[float, float]:
     for op in ops if ops is not None else g.ops:
         factor = _bwd_factor(op, needs)
         model += op.flops * (1 + factor)
-        hardware += op.flops * (1 + factor + (1.0 if op.id in recomputed else 0.0))
+        hardware += op.flops * (1 + factor + (1.0 if op.id in recomputed and factor else 0.0))
     return model, hardware
 
 
@@ -247,19 +250,23 @@ def device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed) -> dict
     g = pg.graph
     default = plan.mesh.devices[0]
     out = {}
+    scale = value_scale(dtype)
+    moved = _op_bytes(g)
+    shares: dict = {}  # tree -> ((device, share), ...): repeated layers share trees
     for op in g.ops:
         factor = _bwd_factor(op, needs)
-        again = 1.0 if op.id in recomputed else 0.0
-        nbytes = value_scale(dtype) * sum(
-            math.prod(g.tensors[t].shape) * jnp.dtype(g.tensors[t].dtype).itemsize
-            for t in (*op.tensor_inputs, *op.outputs)
-        )
+        again = 1.0 if op.id in recomputed and factor else 0.0  # no backward: no rerun
+        nbytes = scale * moved[op.id]
         tree = plan.tree(op.id)
+        per = shares.get(tree)
+        if per is None:
+            per = shares[tree] = tuple(
+                (leaf.device if leaf.device is not None else default, _share(tree, path))
+                for path, leaf in tree.leaves()
+            )
         f, b = {}, {}
-        for path, leaf in tree.leaves():
-            share = _share(tree, path)
+        for dev, share in per:
             t = max(op.flops * share / roof, nbytes * share / cl.memory_bandwidth)
-            dev = leaf.device if leaf.device is not None else default
             f[dev] = f.get(dev, 0.0) + t
             b[dev] = b.get(dev, 0.0) + t * (factor + again)
         out[op.id] = (f, b)
@@ -273,6 +280,16 @@ def device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed) -> dict
             b[dev] = b.get(dev, 0.0) + nbytes * _share(tree, path) / cl.memory_bandwidth
         out[vop.id] = ({}, b)
     return out
+
+
+def _op_bytes(g) -> dict[int, int]:
+    """op id -> bytes of its tensor inputs and outputs (once per graph)."""
+    found = g.__dict__.get("_op_bytes")
+    if found is None:
+        size = {t.id: math.prod(t.shape) * jnp.dtype(t.dtype).itemsize for t in g.tensors.values()}
+        found = {o.id: sum(size[t] for t in (*o.tensor_inputs, *o.outputs)) for o in g.ops}
+        object.__setattr__(g, "_op_bytes", found)
+    return found
 
 
 def _share(tree, path) -> float:
@@ -313,10 +330,46 @@ def _memory(low, g, sizes, slots: int, recomputed: set[int], scale: float = 1.0)
             produced[t] = lay
     saved = saved_for_backward(g, recomputed)
     acts = scale * sum(size(t, produced[t]) for t in saved if t in produced)
-    if recomputed:  # the backward re-runs a recomputed layer: its activations live again
-        whole = saved_for_backward(g, set())
-        acts += scale * max(
-            sum(size(t, produced[t]) for o in grp for t in g.op(o).outputs if t in whole)
-            for grp in low.plan.recompute
-        )
+    acts += scale * working_set(low)
     return memory_breakdown(params, grads, opt, batch, acts)
+
+
+def recomputed_ops(plan: Plan) -> set[int]:
+    """Ops whose forward runs again in the backward pass: recomputed groups and coshard
+    regions (each colocated piece is recomputed)."""
+    ops = {o for grp in plan.recompute for o in grp}
+    return ops | {o for r in plan.regions if r.kind == "coshard" for o in r.ops}
+
+
+def working_set(low, scope: set[int] | None = None) -> float:
+    """Bytes (before dtype scaling) the backward of one recomputed group holds at once,
+    the largest over groups with an op in ``scope`` (default all): the group's values the
+    backward reads, a coshard region inside it counting one colocated piece; a coshard
+    region outside any group counts its piece alone."""
+    plan = low.plan
+    g = plan.pgraph.graph
+    sizes = plan.mesh.shape
+    by_id = {op.id: op for op in g.ops}
+    whole = saved_for_backward(g, set())
+
+    def kept(o):
+        pairs = zip(by_id[o].outputs, low.ops[o].outputs)
+        return sum(local_bytes(g, t, lay, sizes) for t, lay in pairs if t in whole)
+
+    pieces = []  # (ops, bytes of one piece)
+    for r in plan.regions:
+        if r.kind == "coshard":
+            count = device_pieces(plan, by_id[r.ops[0]])[1]
+            pieces.append((set(r.ops), sum(kept(o) for o in r.ops) / count))
+    best = 0.0
+    for ops, piece in pieces:
+        if scope is None or ops & scope:
+            best = max(best, piece)
+    for grp in map(set, plan.recompute):
+        if scope is not None and not grp & scope:
+            continue
+        inner = [(ops, piece) for ops, piece in pieces if ops <= grp]
+        inside = set().union(*(ops for ops, _ in inner))
+        rest = sum(kept(o) for o in grp - inside)
+        best = max(best, rest + max((piece for _, piece in inner), default=0.0))
+    return best

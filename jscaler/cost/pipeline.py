@@ -33,8 +33,10 @@ from jscaler.cost.estimate import (
     local_bytes,
     memory_breakdown,
     needs_grad,
+    recomputed_ops,
     saved_for_backward,
     value_scale,
+    working_set,
 )
 from jscaler.errors import ScheduleError
 from jscaler.ir.graph import Literal
@@ -89,7 +91,7 @@ def estimate_pipeline(
     for gi, group in enumerate(plan.groups):
         gp = group.plan
         low = low_of[gi] = lower(gp, None)
-        recomputed = {o for grp in gp.recompute for o in grp}
+        recomputed = recomputed_ops(gp)
         times = device_times(gp, cl, dtype, needs, recomputed)
         mesh = gp.mesh
         stages = [s for s in range(sched.stages) if sched.placement[s] == gi]
@@ -241,8 +243,7 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, slo
     batch = sum(
         size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch" and t in read
     )
-    recomputed = {o for grp in gp.recompute for o in grp}
-    saved = saved_for_backward(g, recomputed)
+    saved = saved_for_backward(g, recomputed_ops(gp))
     flight = sched.in_flight()
     acts = 0.0
     for s in stages:
@@ -254,4 +255,5 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, slo
             if t in saved and not isinstance(t, Literal)
         ]
         acts += scale * flight[s] * sum(size(t, lay) for t, lay in outs)
+    acts += scale * working_set(low, {o.id for o in mine})
     return memory_breakdown(p_bytes, grads, opt, batch, acts)

@@ -12,6 +12,7 @@ The graph is immutable: :meth:`select`, :meth:`unroll` and friends return new gr
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ class Op:
     eqn: Any = field(default=None, compare=False, repr=False)
     body: Graph | None = field(default=None, compare=False, repr=False)
 
-    @property
+    @functools.cached_property
     def tensor_inputs(self) -> tuple[int, ...]:
         return tuple(i for i in self.inputs if not isinstance(i, Literal))
 
@@ -148,7 +149,18 @@ class Graph:
         return self._producers().get(tensor_id)
 
     def consumers(self, tensor_id: int) -> tuple[Op, ...]:
-        return tuple(o for o in self.ops if tensor_id in o.tensor_inputs)
+        return self._consumers().get(tensor_id, ())
+
+    def _consumers(self) -> dict[int, tuple[Op, ...]]:
+        cache = self.__dict__.get("_consumer_cache")
+        if cache is None:
+            users: dict[int, list[Op]] = {}
+            for o in self.ops:
+                for t in dict.fromkeys(o.tensor_inputs):
+                    users.setdefault(t, []).append(o)
+            cache = {t: tuple(us) for t, us in users.items()}
+            object.__setattr__(self, "_consumer_cache", cache)
+        return cache
 
     def _producers(self) -> dict[int, Op]:
         cache = self.__dict__.get("_producer_cache")
@@ -177,9 +189,14 @@ class Graph:
             for t in o.tensor_inputs:
                 if t not in produced:
                     inputs.setdefault(t)
-        used_outside = {t for o in self.ops if o.id not in chosen for t in o.tensor_inputs}
-        used_outside |= {t for t in self.outputs if not isinstance(t, Literal)}
-        outputs = tuple(t for o in ops for t in o.outputs if t in used_outside)
+        graph_outputs = {t for t in self.outputs if not isinstance(t, Literal)}
+        users = self._consumers()
+        outputs = tuple(
+            t
+            for o in ops
+            for t in o.outputs
+            if t in graph_outputs or any(u.id not in chosen for u in users.get(t, ()))
+        )
         keep = set(inputs) | produced
         return Graph(
             {i: t for i, t in self.tensors.items() if i in keep},
@@ -204,8 +221,16 @@ class Graph:
 
         A layer is the i-th entry of a module list (a path component that is an integer,
         e.g. ``blocks/3/...``). Lists under the same parent with the same entries are
-        parallel (``attns/i`` and ``mlps/i``) and form one layer per index.
+        parallel (``attns/i`` and ``mlps/i``) and form one layer per index. Computed once
+        per graph.
         """
+        cached = self.__dict__.get("_layer_cache")
+        if cached is None:
+            cached = self._find_layers()
+            object.__setattr__(self, "_layer_cache", cached)
+        return cached
+
+    def _find_layers(self) -> tuple[Layer, ...]:
         members: dict[tuple[str, str], dict[int, list[Op]]] = {}
         for o in self.ops:
             parts = o.path.split("/") if o.path else []

@@ -150,6 +150,8 @@ class Mask:
     @classmethod
     def full(cls, shape: Sequence[int]) -> Mask:
         """The whole of a tensor of ``shape``: every element, the full value."""
+        if cls is Mask and all(type(s) is int and s > 0 for s in shape):
+            return _make(tuple((0, s) for s in shape), _FULL_VALUE)  # nothing to check
         return cls(tuple((0, s) for s in shape))
 
     @classmethod

@@ -26,6 +26,7 @@ class DimClasses:
         self._uf = UnionFind()
         self._op_dims: list[tuple[Op, str, tuple[int, int]]] = []
         self._by_op: dict[int, list[tuple[str, tuple[int, int]]]] = {}
+        self._first_dims: dict[int, dict] = {}
         for op in graph.ops:
             if op.annotation is None:
                 continue
@@ -43,22 +44,42 @@ class DimClasses:
                 self._op_dims.append((op, d, nodes[0]))
                 self._by_op.setdefault(op.id, []).append((d, nodes[0]))
 
+    @classmethod
+    def for_graph(cls, graph: Graph) -> DimClasses:
+        """The graph's classes, built once per graph (graphs are immutable)."""
+        found = graph.__dict__.get("_dim_classes")
+        if found is None:
+            found = cls(graph)
+            object.__setattr__(graph, "_dim_classes", found)
+        return found
+
     def of(self, tensor: int, axis: int) -> tuple[int, int]:
         """The class of a tensor axis (an opaque, comparable key)."""
         return self._uf.find((tensor, axis))
 
     def op_dims(self, cls) -> Iterator[tuple[Op, str]]:
         """``(op, dim name)`` for every op with a dim in the class, in graph order."""
-        for op, d, node in self._op_dims:
-            if self._uf.find(node) == cls:
-                yield op, d
+        index = self.__dict__.get("_class_index")
+        if index is None:  # the unions are all made in __init__: index the classes once
+            index = {}
+            for op, d, node in self._op_dims:
+                index.setdefault(self._uf.find(node), []).append((op, d))
+            self._class_index = index
+        yield from index.get(cls, ())
 
     def dim_of(self, op: Op, cls) -> str | None:
         """The op's dim in the class, if it has one."""
-        for d, node in self._by_op.get(op.id, ()):
-            if self._uf.find(node) == cls:
-                return d
-        return None
+        return self.first_dims(op).get(cls)
+
+    def first_dims(self, op: Op) -> dict:
+        """class -> the op's first dim in it, for every class the op carries."""
+        first = self._first_dims.get(op.id)
+        if first is None:
+            first = {}
+            for d, node in self._by_op.get(op.id, ()):
+                first.setdefault(self._uf.find(node), d)
+            self._first_dims[op.id] = first
+        return first
 
     def dims_in(self, op: Op, cls) -> list[str]:
         """Every dim of the op in the class (attention's score matmul carries the

@@ -17,10 +17,7 @@ from jscaler.plan.mesh import MeshSpec
 from jscaler.plan.plan import Node, Plan, SubOp
 from jscaler.plan.primitives import (
     _pieces,
-    _placed,
     _split_problem,
-    op_trans,
-    recompute,
 )
 
 __all__ = [
@@ -28,6 +25,7 @@ __all__ = [
     "batch_axes",
     "data_parallel",
     "recompute_layers",
+    "recomputed_layers",
     "shard_dim",
     "split_classes",
     "split_ops",
@@ -81,12 +79,14 @@ def split_classes(
       ops: the ops to transform (default: every forward op).
       choose: optional ``fn(op, dim) -> bool`` vetoing a split (then the op replicates).
     """
-    classes = classes or DimClasses(plan.pgraph.graph)
-    roots = [classes.of(*s) for s in seeds]
+    classes = classes or DimClasses.for_graph(plan.pgraph.graph)
+    rank: dict = {}
+    for s in seeds:
+        rank.setdefault(classes.of(*s), len(rank))
 
     def dim_for(op):
-        dims = (classes.dim_of(op, r) for r in roots)
-        return [d for d in dims if d is not None and (choose is None or choose(op, d))]
+        found = sorted((rank[c], d) for c, d in classes.first_dims(op).items() if c in rank)
+        return [d for _, d in found if choose is None or choose(op, d)]
 
     targets = ops if ops is not None else plan.pgraph.graph.ops
     return split_ops(plan, {op.id: dim_for(op) for op in targets}, n)
@@ -124,37 +124,54 @@ def assign_mesh(plan: Plan, levels: Sequence[str], *, ops: Iterable[Op] | None =
             raise PlanError(f"assign_mesh: mesh {mesh} has no axis {name!r}")
     targets = list(ops) if ops is not None else list(plan.pgraph.graph.ops)
     trees = dict(plan.trees)
+    placed: dict[Node, Node] = {}  # repeated layers share trees: place each tree once
+
+    def place(node: Node, path: tuple[int, ...]) -> Node:
+        if node.algo == "leaf":
+            return Node(device=mesh.device_at(dict(zip(levels, path))))
+        kids = tuple(place(c, (*path, i)) for i, c in enumerate(node.children))
+        return Node(node.algo, node.dim, kids)
+
     for op in targets:
         tree = trees.get(op.id, Node())
-        for path, _ in list(tree.leaves()):
-            if len(path) != len(levels):
-                raise PlanError(
-                    f"assign_mesh: sub-op {SubOp(op.id, path)} of {op.where} is {len(path)} "
-                    f"levels deep; expected one level per mesh axis {list(levels)}"
-                )
-            tree = tree.replace(path, _placed([mesh.device_at(dict(zip(levels, path)))]))
-        trees[op.id] = tree
+        if tree not in placed:
+            for path, _ in tree.leaves():
+                if len(path) != len(levels):
+                    raise PlanError(
+                        f"assign_mesh: sub-op {SubOp(op.id, path)} of {op.where} is "
+                        f"{len(path)} levels deep; expected one level per mesh axis "
+                        f"{list(levels)}"
+                    )
+            placed[tree] = place(tree, ())
+        trees[op.id] = placed[tree]
     return plan.evolve(trees=trees)
 
 
 def recompute_layers(plan: Plan, fraction) -> Plan:
     """Selective activation checkpointing: recompute a fraction of the repeated layers,
     evenly spread (1/2: every other layer, the second of each pair; 1: all of them)."""
+    layers = recomputed_layers(plan.graph, fraction)
+    if not layers:
+        return plan
+    # op_trans(plan, layer.graph, recompute()) per layer, in one new plan
+    groups = tuple(tuple(sorted(o.id for o in layer.graph.ops)) for layer in layers)
+    return plan.evolve(recompute=plan.recompute + groups)
+
+
+def recomputed_layers(graph: Graph, fraction) -> list:
+    """The repeated layers ``recompute_layers(plan, fraction)`` checkpoints."""
     p = Fraction(fraction).limit_denominator(64)
     if not 0 <= p <= 1:
         raise PlanError(f"recompute={fraction!r}: expected a fraction between 0 and 1")
     if p == 0:
-        return plan
-    layers = plan.graph.layers()
+        return []
+    layers = graph.layers()
     if not layers:
         raise PlanError(
             f"recompute={fraction}: the graph has no repeated layers (module lists such as "
             f"blocks/0, blocks/1, ...) to checkpoint"
         )
-    for i, layer in enumerate(layers):
-        if math.floor((i + 1) * p) > math.floor(i * p):
-            plan, _ = op_trans(plan, layer.graph, recompute())
-    return plan
+    return [lay for i, lay in enumerate(layers) if math.floor((i + 1) * p) > math.floor(i * p)]
 
 
 def data_parallel(graph: Graph, n_devices: int) -> Plan:

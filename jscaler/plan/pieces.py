@@ -7,6 +7,7 @@ tensor whose axis carries d to its i-th chunk of that axis; for a '+' dim the ou
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from jscaler.errors import PlanError
@@ -54,29 +55,35 @@ def op_pieces(plan: Plan, op: Op) -> tuple[Piece, ...]:
         return cache[op.id]
     tree = plan.tree(op.id)
     tensors = plan.pgraph.graph.tensors
-    ann = op.annotation
+    shapes = tuple(None if isinstance(x, Literal) else tensors[x].shape for x in op.inputs)
+    masks = _leaf_masks(tree, op.annotation, shapes, tuple(tensors[x].shape for x in op.outputs))
+    cache[op.id] = tuple(
+        Piece(SubOp(op.id, path), leaf.device, ins, outs)
+        for (path, leaf), (ins, outs) in zip(tree.leaves(), masks)
+    )
+    return cache[op.id]
+
+
+@functools.lru_cache(maxsize=65536)
+def _leaf_masks(tree: Node, ann, in_shapes, out_shapes) -> tuple:
+    """Per leaf of ``tree``: the masks of its inputs (None: literal) and outputs. Shared by
+    every op with the same tree, annotation and shapes (a model's repeated layers)."""
     out = []
-    for path, leaf in tree.leaves():
+    for path, _ in tree.leaves():
         splits = _splits(tree, path)
         if ann is None:
-            ins = tuple(
-                None if isinstance(x, Literal) else Mask.full(tensors[x].shape) for x in op.inputs
-            )
-            outs = tuple(Mask.full(tensors[x].shape) for x in op.outputs)
+            ins = tuple(None if s is None else Mask.full(s) for s in in_shapes)
+            outs = tuple(Mask.full(s) for s in out_shapes)
         else:
             ins = tuple(
-                None
-                if isinstance(x, Literal)
-                else _mask(dims, tensors[x].shape, splits, ann.kinds, False)
-                for dims, x in zip(ann.inputs, op.inputs)
+                None if s is None else _mask(dims, s, splits, ann.kinds, False)
+                for dims, s in zip(ann.inputs, in_shapes)
             )
             outs = tuple(
-                _mask(dims, tensors[x].shape, splits, ann.kinds, True)
-                for dims, x in zip(ann.outputs, op.outputs)
+                _mask(dims, s, splits, ann.kinds, True) for dims, s in zip(ann.outputs, out_shapes)
             )
-        out.append(Piece(SubOp(op.id, path), leaf.device, ins, outs))
-    cache[op.id] = tuple(out)
-    return cache[op.id]
+        out.append((ins, outs))
+    return tuple(out)
 
 
 def colocated(tree: Node, path: tuple[int, ...] = ()):

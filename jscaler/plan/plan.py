@@ -85,12 +85,29 @@ class Node:
         kids[path[0]] = kids[path[0]].replace(path[1:], new)
         return Node(self.algo, self.dim, tuple(kids), self.device)
 
-    def leaves(self, path: tuple[int, ...] = ()):
-        """Yields ``(path, leaf)`` in order."""
-        if self.algo == "leaf":
-            yield path, self
-        for i, c in enumerate(self.children):
-            yield from c.leaves(path + (i,))
+    def leaves(self, path: tuple[int, ...] = ()) -> tuple[tuple[tuple[int, ...], Node], ...]:
+        """``(path, leaf)`` pairs in order (walked once per tree: nodes are immutable)."""
+        found = self.__dict__.get("_leaves")
+        if found is None:
+            out, stack = [], [((), self)]
+            while stack:
+                at, node = stack.pop()
+                if node.algo == "leaf":
+                    out.append((at, node))
+                else:
+                    stack.extend(
+                        ((*at, i), node.children[i]) for i in reversed(range(len(node.children)))
+                    )
+            found = tuple(out)
+            object.__setattr__(self, "_leaves", found)
+        return found if not path else tuple((path + p, leaf) for p, leaf in found)
+
+    def __hash__(self) -> int:  # trees key caches: hash each once
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.algo, self.dim, self.children, self.device))
+            object.__setattr__(self, "_hash", found)
+        return found
 
     def to_json(self):
         if self.algo == "leaf":

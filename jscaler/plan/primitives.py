@@ -138,7 +138,7 @@ def op_trans(plan: Plan, target, algo: Algorithm, n: int = 1) -> tuple[Plan, tup
     lenient = isinstance(target, Graph)
     classes = None
     if algo.kind == "split" and isinstance(algo.dim, tuple):
-        classes = DimClasses(plan.pgraph.graph)
+        classes = DimClasses.for_graph(plan.pgraph.graph)
         cls = classes.of(*algo.dim)
     trees = dict(plan.trees)
     made: list[SubOp] = []
@@ -234,7 +234,7 @@ def _coshard(plan: Plan, target, dim, colocate: int, n: int) -> tuple[Plan, tupl
     taken = [o for o in ops if plan.region_of(o) is not None]
     if taken:
         raise PlanError(f"coshard: {plan.pgraph.op(taken[0]).where} is already in a manual region")
-    classes = DimClasses(plan.pgraph.graph) if isinstance(dim, tuple) else None
+    classes = DimClasses.for_graph(plan.pgraph.graph) if isinstance(dim, tuple) else None
     cls = classes.of(*dim) if classes else None
     trees = dict(plan.trees)
     made: list[SubOp] = []

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from jscaler.cost.cluster import Cluster
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
+from jscaler.plan.helpers import recompute_layers
 from jscaler.plan.mesh import MeshSpec
 from jscaler.plan.plan import Plan
 from jscaler.search.ilp import solve, to_plan
@@ -35,6 +36,7 @@ class IntraOp:
     optimizer_slots: int = 0
     time_limit: float = 10.0
     cache: bool = True
+    recompute: float = 0
 
     def __call__(self, graph: Graph, n_devices: int) -> Plan:
         axes = dict(self.mesh) if self.mesh else {"d": n_devices}
@@ -56,10 +58,12 @@ class IntraOp:
             dtype=self.dtype,
             capacity=self.capacity if self.capacity is not None else _memory(self.cluster),
             optimizer_slots=self.optimizer_slots,
+            recompute=self.recompute,
         )
         sol = solve(problem, time_limit=self.time_limit)
         shape = ", ".join(f"{a}={s}" for a, s in mesh.axes)
         plan = to_plan(problem, sol, name=f"intra_op({shape})")
+        plan = recompute_layers(plan, self.recompute).evolve(name=plan.name)
         if path is not None:
             _write_atomically(path, plan.to_json())
         plan.__dict__["search"] = (problem, sol)  # for explain / the CLI
@@ -74,7 +78,8 @@ class IntraOp:
         key = json.dumps(
             [
                 graph_fingerprint(graph), mesh.to_json(), cluster, self.capacity, self.dtype,
-                self.optimizer_slots, self.time_limit, SEARCH_VERSION, PLAN_FORMAT,
+                self.optimizer_slots, self.time_limit, self.recompute, SEARCH_VERSION,
+                PLAN_FORMAT,
             ],
             sort_keys=True,
             default=str,
@@ -84,7 +89,7 @@ class IntraOp:
         )
 
 
-SEARCH_VERSION = 3  # bump when the problem or the solver changes what a search returns
+SEARCH_VERSION = 4  # bump when the problem or the solver changes what a search returns
 
 
 def _write_atomically(path, text: str) -> None:
@@ -115,11 +120,15 @@ def intra_op(
     optimizer_slots: int = 0,
     time_limit: float = 10.0,
     cache: bool = True,
+    recompute: float = 0,
 ) -> IntraOp:
     """The plan the op-trans + op-assign ILP picks on ``mesh`` (``{"dp": 2, "tp": 4}``;
     default one axis over every device), for ``cluster``, under ``capacity`` bytes per
-    device (default the cluster's memory). ``cache``: load and store the searched plan
-    under the user cache folder (keyed by graph, mesh, cluster and these knobs)."""
+    device (default the cluster's memory); ``recompute``: the fraction of repeated layers
+    checkpointed (the search costs it, the plan carries it). ``cache``: load and store the
+    searched plan under the user cache folder (keyed by graph, mesh, cluster and these
+    knobs)."""
     return IntraOp(
-        tuple((mesh or {}).items()), cluster, capacity, dtype, optimizer_slots, time_limit, cache
-    )
+        tuple((mesh or {}).items()), cluster, capacity, dtype, optimizer_slots, time_limit,
+        cache, recompute,
+    )  # fmt: skip

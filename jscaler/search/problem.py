@@ -39,9 +39,15 @@ from jscaler.compile.comm import NON_DIFFERENTIABLE, convert
 from jscaler.compile.layout import Layout
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
-from jscaler.cost.estimate import CONTRACTIONS, local_bytes, needs_grad, saved_for_backward
+from jscaler.cost.estimate import (
+    CONTRACTIONS,
+    local_bytes,
+    needs_grad,
+    saved_for_backward,
+    value_scale,
+)
 from jscaler.ir.graph import Graph, Literal, Op
-from jscaler.plan.helpers import shard_dim
+from jscaler.plan.helpers import recomputed_layers, shard_dim
 from jscaler.plan.mesh import MeshSpec
 
 __all__ = ["Problem", "Strategy", "build_problem", "objective"]
@@ -154,9 +160,12 @@ def build_problem(
     optimizer_slots: int = 0,
     algorithm: str = "ring",
     zero: bool = True,
+    recompute: float = 0,
 ) -> Problem:
     """The search problem of ``graph`` on ``mesh`` (see the module doc); ``zero``: offer
-    ZeRO-2 for the parameters an op reads whole (each op's strategies twice)."""
+    ZeRO-2 for the parameters an op reads whole (each op's strategies twice);
+    ``recompute``: the fraction of repeated layers checkpointed (their ops run forward
+    twice and keep only the layer's inputs)."""
     cl = get_cluster(cluster)
     roof = cl.peak(dtype) * cl.efficiency
     sizes = mesh.shape
@@ -165,7 +174,9 @@ def build_problem(
     clusters = _cluster_ops(graph)
     where = {o: c for c, ids in enumerate(clusters) for o in ids}
     needs = needs_grad(graph)
-    saved = saved_for_backward(graph, set())
+    recomputed = {o.id for lay in recomputed_layers(graph, recompute) for o in lay.graph.ops}
+    saved = saved_for_backward(graph, recomputed)
+    scale = value_scale(dtype)  # activations in the compute dtype
     first_reader: dict[int, int] = {}
     for op in graph.ops:
         for t in op.tensor_inputs:
@@ -196,16 +207,17 @@ def build_problem(
         back = (2.0 if op.primitive in CONTRACTIONS else 1.0) * diff
         moved = sum(nbytes(t) for t in (*op.tensor_inputs, *op.outputs))
         once = max(op.flops * share / roof, moved * share / cl.memory_bandwidth)
-        t, grads, mem = (1 + back) * once, 0.0, 0.0
+        again = 1.0 if op.id in recomputed else 0.0
+        t, grads, mem = (1 + back + again) * once, 0.0, 0.0
         if ann is None:
-            return t, 0.0, back * once, sum(nbytes(x) for x in op.outputs if x in saved)
+            return t, 0.0, back * once, scale * sum(nbytes(x) for x in op.outputs if x in saved)
         used = {a for a, d in zip(names, s) if d is not None}
         for dims, x in zip(ann.outputs, op.outputs):
             lay = layout(dims, s, mesh, ann.kinds, True)
             if lay.partial:
                 t += coll("all-reduce", local(x, lay), lay.partial)
             if x in saved:
-                mem += local(x, lay)
+                mem += scale * local(x, lay)
         for dims, x in zip(ann.inputs, op.inputs):
             if isinstance(x, Literal):
                 continue
