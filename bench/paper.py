@@ -47,8 +47,10 @@ MODELS = ("swin", "t5", "alphafold2")
 TP = (1, 2, 4, 8)  # within a DGX-1 node
 PP = (1, 2, 4)
 SLOTS = 2  # Adam
+# the pruning's lower bound on model state per parameter: fp16 parameter and gradient and
+# the fp32 optimizer slots (the estimate counts more: fp32 parameters and gradients)
 ILP_LIMIT = 3.0  # Alpa's ILP: CP-SAT deterministic time per stage mesh
-STATE_BYTES = 2 + 2 + 4 * SLOTS  # fp16 parameter and gradient, fp32 optimizer slots
+STATE_BYTES = 2 + 2 + 4 * SLOTS
 
 # The paper's reported speedups of nnScaler (section 8.3): (model, cluster, GPUs) ->
 # (speedup, over which system). Figures 7-10 are not in the text; these are its sentences.
@@ -120,7 +122,7 @@ def grid(model: str, n: int) -> dict[str, list[tuple[str, str, dict, int]]]:
                 if (dp := _split(n, k, pp)) is not None:
                     kw = {"pp": pp, "tp": k} if k == 1 else {"pp": pp, "dap": k}
                     new.append(("alphafold_3f1b", kw | {"recompute": 1}, dp))
-        out = {"nnScaler": new + [dap[0]], "DAP+DP": dap}
+        out = {"nnScaler": new + dap, "DAP+DP": dap}  # 3F1B's space holds DAP at pp = 1
     out |= {"DeepSpeed": deepspeed}
     if model != "alphafold2":
         out |= {"Alpa": alpa}
@@ -213,8 +215,9 @@ def cell(model: str, n: int, clusters=CLUSTERS) -> dict:
                     try:
                         plan = SPACES[name](**kw, **extra)(graph, n)
                     except jscaler.PlanError as e:
-                        res = {"skipped": str(e).split(";")[0][:60]}
-                        break
+                        res.setdefault("skipped", str(e).split(";")[0][:60])
+                        plan = None
+                        continue
                 kw_est = {"dtype": "fp16", "optimizer_slots": SLOTS}
                 if isinstance(plan, jscaler.PipelinePlan):
                     est = estimate_pipeline(plan, cl, microbatches=m, **kw_est)
@@ -334,8 +337,15 @@ def _clusters(result: dict) -> set[str]:
 def main(args) -> int:
     import json
 
+    from jscaler import PlanError
+
     models = [args.model] if args.model else MODELS
     gpus = [args.devices] if args.devices else GPUS
+    if set(models) - set(MODELS) or set(gpus) - set(GPUS):
+        raise PlanError(
+            f"bench paper runs the paper's models {list(MODELS)} at {list(GPUS)} GPUs; got "
+            f"--model {args.model} --devices {args.devices}"
+        )
     start = time.perf_counter()
     done = []
 

@@ -16,9 +16,10 @@
 * **Memory per device**: parameters, gradients and optimizer state in their stored,
   gradient and update layouts; the batch; and the activations the backward pass keeps:
   every forward value a non-linear consumer reads (a matmul's operands, an exp's output
-  ...), in its layout, except inside recomputed layers and coshard regions (their inputs
-  only); plus the working set of the largest recomputed group while its backward runs
-  (a coshard region inside it counts one colocated piece: the pieces run one at a time).
+  ...), in its layout, except values made and read inside one recomputed layer or coshard
+  region (the backward reruns it from its inputs); plus the working set of the largest
+  recomputed group while its backward runs (a coshard region inside it counts one
+  colocated piece: the pieces run one at a time).
 * **MFU / HFU**: model FLOPs per step (forward + backward of the unsplit graph, 3x its
   forward FLOPs as in PaLM's appendix B) over step time x devices x peak; HFU counts the
   recomputed forward too.
@@ -31,6 +32,7 @@ overheads, fusion, XLA's rematerialisation and buffer reuse. ``tests/test_cost.p
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import jax.numpy as jnp
@@ -132,26 +134,50 @@ def _bwd_factor(op, needs) -> float:
     return 2.0 if op.primitive in CONTRACTIONS else 1.0
 
 
-def saved_for_backward(graph, recomputed: set[int]) -> set[int]:
+def saved_for_backward(graph, recomputed: Mapping[int, object] | None = None) -> set[int]:
     """Forward values the backward pass reads: inputs of non-linear consumers, outputs of
-    ops whose derivative is their output (exp, tanh, logistic, sqrt, rsqrt), except values
-    made inside recomputed groups (recomputed from the group's inputs instead) and values
-    of ops no gradient flows through."""
+    ops whose derivative is their output (exp, tanh, logistic, sqrt, rsqrt), and of ops
+    some gradient flows through. ``recomputed`` maps op id -> its recomputed group (see
+    :func:`recompute_groups`): a value made and read inside one group is not kept (the
+    backward reruns the group from its inputs); the group's inputs and the values it makes
+    for readers outside it are."""
     own_output = {"exp", "tanh", "logistic", "sqrt", "rsqrt", "exp2"}
     needs = needs_grad(graph)
+    groups = recomputed or {}
+    producer = {t: op.id for op in graph.ops for t in op.outputs}
     saved = set()
+
+    def keep(t, reader):
+        group = groups.get(producer.get(t))
+        if group is None or groups.get(reader) != group:
+            saved.add(t)
+
     for op in graph.ops:
         if op.primitive in NON_DIFFERENTIABLE or op.primitive in LINEAR:
             continue
         if not any(t in needs for t in op.outputs):
             continue
         if op.primitive in own_output:
-            saved.update(op.outputs)
+            if op.id not in groups:
+                saved.update(op.outputs)
             continue
-        saved.update(t for t in op.inputs if not isinstance(t, Literal))
-    made_in = {t for op in graph.ops if op.id in recomputed for t in op.outputs}
-    roles = {t for t in saved if graph.tensors[t].role != "value"}
-    return saved - made_in - roles
+        for t in op.tensor_inputs:
+            keep(t, op.id)
+    return {t for t in saved if graph.tensors[t].role == "value"}
+
+
+def recompute_groups(plan: Plan) -> dict[int, object]:
+    """op id -> the outermost recomputed unit it belongs to: a recomputed group (its index),
+    else a coshard region (each colocated piece is recomputed)."""
+    out: dict[int, object] = {}
+    for k, grp in enumerate(plan.recompute):
+        for o in grp:
+            out.setdefault(o, k)
+    for j, r in enumerate(plan.regions):
+        if r.kind == "coshard":
+            for o in r.ops:
+                out.setdefault(o, ("coshard", j))
+    return out
 
 
 def estimate(
@@ -214,7 +240,7 @@ def estimate(
     exposed_total = exposed + max(0.0, hidden - bwd_time)
     step = compute + exposed_total
 
-    memory = _memory(low, g, sizes, optimizer_slots, recomputed, value_scale(dtype))
+    memory = _memory(low, g, sizes, optimizer_slots, value_scale(dtype))
     return Estimate(
         plan.name or "plan",
         cl.name,
@@ -316,7 +342,7 @@ def needs_grad(g) -> set[int]:
     return down & up
 
 
-def _memory(low, g, sizes, slots: int, recomputed: set[int], scale: float = 1.0) -> dict:
+def _memory(low, g, sizes, slots: int, scale: float = 1.0) -> dict:
     def size(t, layout):
         return local_bytes(g, t, layout, sizes)
 
@@ -328,7 +354,7 @@ def _memory(low, g, sizes, slots: int, recomputed: set[int], scale: float = 1.0)
     for op in g.ops:
         for t, lay in zip(op.outputs, low.ops[op.id].outputs):
             produced[t] = lay
-    saved = saved_for_backward(g, recomputed)
+    saved = saved_for_backward(g, recompute_groups(low.plan))
     acts = scale * sum(size(t, produced[t]) for t in saved if t in produced)
     acts += scale * working_set(low)
     return memory_breakdown(params, grads, opt, batch, acts)
@@ -350,26 +376,27 @@ def working_set(low, scope: set[int] | None = None) -> float:
     g = plan.pgraph.graph
     sizes = plan.mesh.shape
     by_id = {op.id: op for op in g.ops}
-    whole = saved_for_backward(g, set())
+    whole = saved_for_backward(g)
 
     def kept(o):
         pairs = zip(by_id[o].outputs, low.ops[o].outputs)
         return sum(local_bytes(g, t, lay, sizes) for t, lay in pairs if t in whole)
 
-    pieces = []  # (ops, bytes of one piece)
+    regions = []  # (ops, colocated pieces per device)
     for r in plan.regions:
         if r.kind == "coshard":
-            count = device_pieces(plan, by_id[r.ops[0]])[1]
-            pieces.append((set(r.ops), sum(kept(o) for o in r.ops) / count))
+            regions.append((set(r.ops), device_pieces(plan, by_id[r.ops[0]])[1]))
     best = 0.0
-    for ops, piece in pieces:
+    for ops, count in regions:
         if scope is None or ops & scope:
-            best = max(best, piece)
+            best = max(best, sum(kept(o) for o in ops) / count)
     for grp in map(set, plan.recompute):
         if scope is not None and not grp & scope:
             continue
-        inner = [(ops, piece) for ops, piece in pieces if ops <= grp]
-        inside = set().union(*(ops for ops, _ in inner))
+        # a region inside the group (or its part there) holds one piece at a time
+        parts = [(ops & grp, count) for ops, count in regions if ops & grp]
+        inside = set().union(*(part for part, _ in parts))
         rest = sum(kept(o) for o in grp - inside)
-        best = max(best, rest + max((piece for _, piece in inner), default=0.0))
+        piece = max((sum(kept(o) for o in part) / c for part, c in parts), default=0.0)
+        best = max(best, rest + piece)
     return best

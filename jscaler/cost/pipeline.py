@@ -33,6 +33,7 @@ from jscaler.cost.estimate import (
     local_bytes,
     memory_breakdown,
     needs_grad,
+    recompute_groups,
     recomputed_ops,
     saved_for_backward,
     value_scale,
@@ -243,7 +244,7 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, slo
     batch = sum(
         size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch" and t in read
     )
-    saved = saved_for_backward(g, recomputed_ops(gp))
+    saved = saved_for_backward(g, recompute_groups(gp))
     flight = sched.in_flight()
     acts = 0.0
     for s in stages:

@@ -89,7 +89,7 @@ class IntraOp:
         )
 
 
-SEARCH_VERSION = 4  # bump when the problem or the solver changes what a search returns
+SEARCH_VERSION = 5  # bump when the problem or the solver changes what a search returns
 
 
 def _write_atomically(path, text: str) -> None:

@@ -174,8 +174,11 @@ def build_problem(
     clusters = _cluster_ops(graph)
     where = {o: c for c, ids in enumerate(clusters) for o in ids}
     needs = needs_grad(graph)
-    recomputed = {o.id for lay in recomputed_layers(graph, recompute) for o in lay.graph.ops}
-    saved = saved_for_backward(graph, recomputed)
+    groups = {
+        o.id: k for k, lay in enumerate(recomputed_layers(graph, recompute)) for o in lay.graph.ops
+    }
+    recomputed = set(groups)
+    saved = saved_for_backward(graph, groups)
     scale = value_scale(dtype)  # activations in the compute dtype
     first_reader: dict[int, int] = {}
     for op in graph.ops:
@@ -207,7 +210,7 @@ def build_problem(
         back = (2.0 if op.primitive in CONTRACTIONS else 1.0) * diff
         moved = sum(nbytes(t) for t in (*op.tensor_inputs, *op.outputs))
         once = max(op.flops * share / roof, moved * share / cl.memory_bandwidth)
-        again = 1.0 if op.id in recomputed else 0.0
+        again = 1.0 if op.id in recomputed and diff else 0.0
         t, grads, mem = (1 + back + again) * once, 0.0, 0.0
         if ann is None:
             return t, 0.0, back * once, scale * sum(nbytes(x) for x in op.outputs if x in saved)
