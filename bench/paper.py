@@ -41,6 +41,8 @@ from __future__ import annotations
 import math
 import time
 
+from spaces.grid import expression
+
 CLUSTERS = ("dgx2_v100", "dgx1_v100")
 GPUS = (4, 8, 16, 32)
 MODELS = ("swin", "t5", "alphafold2")
@@ -127,20 +129,16 @@ def grid(model: str, n: int) -> dict[str, list[tuple[str, str, dict, int]]]:
     if model != "alphafold2":
         out |= {"Alpa": alpa}
     return {
-        system: [(_expr(name, kw), name, kw, size) for name, kw, size in settings]
+        system: [(expression(name, kw), name, kw, size) for name, kw, size in settings]
         for system, settings in out.items()
     }
-
-
-def _expr(name: str, kw: dict) -> str:
-    return f"{name}({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
 
 
 def _less_colocated(name: str, kw: dict) -> str | None:
     """The same coshard setting with half the colocated pieces (None: not coshard)."""
     if name != "coshard" or kw["colocate"] <= 2:
         return None
-    return _expr(name, kw | {"colocate": kw["colocate"] // 2})
+    return expression(name, kw | {"colocate": kw["colocate"] // 2})
 
 
 def _state_shards(name: str, kw: dict, n: int) -> int | None:

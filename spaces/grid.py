@@ -62,9 +62,10 @@ def settings(name: str, n: int) -> list[tuple[str, object]]:
         out = [{"pp": pp} for pp in PP if _divides(n, pp)]
     else:
         out = [{}]
-    return [(_expr(name, kw), make(**kw)) for kw in out]
+    return [(expression(name, kw), make(**kw)) for kw in out]
 
 
-def _expr(name: str, kw: dict) -> str:
+def expression(name: str, kw: dict) -> str:
+    """The plan expression of space ``name`` with knobs ``kw``: ``megatron(tp=2, pp=1)``."""
     args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
     return f"{name}({args})"

@@ -312,7 +312,7 @@ def _op_bytes(g) -> dict[int, int]:
     """op id -> bytes of its tensor inputs and outputs (once per graph)."""
     found = g.__dict__.get("_op_bytes")
     if found is None:
-        size = {t.id: math.prod(t.shape) * jnp.dtype(t.dtype).itemsize for t in g.tensors.values()}
+        size = {t: local_bytes(g, t, None, None) for t in g.tensors}
         found = {o.id: sum(size[t] for t in (*o.tensor_inputs, *o.outputs)) for o in g.ops}
         object.__setattr__(g, "_op_bytes", found)
     return found
@@ -363,8 +363,7 @@ def _memory(low, g, sizes, slots: int, scale: float = 1.0) -> dict:
 def recomputed_ops(plan: Plan) -> set[int]:
     """Ops whose forward runs again in the backward pass: recomputed groups and coshard
     regions (each colocated piece is recomputed)."""
-    ops = {o for grp in plan.recompute for o in grp}
-    return ops | {o for r in plan.regions if r.kind == "coshard" for o in r.ops}
+    return set(recompute_groups(plan))
 
 
 def working_set(low, scope: set[int] | None = None) -> float:

@@ -27,6 +27,7 @@ class DimClasses:
         self._op_dims: list[tuple[Op, str, tuple[int, int]]] = []
         self._by_op: dict[int, list[tuple[str, tuple[int, int]]]] = {}
         self._first_dims: dict[int, dict] = {}
+        self._class_index: dict | None = None  # class -> [(op, dim)], built on first use
         for op in graph.ops:
             if op.annotation is None:
                 continue
@@ -59,13 +60,11 @@ class DimClasses:
 
     def op_dims(self, cls) -> Iterator[tuple[Op, str]]:
         """``(op, dim name)`` for every op with a dim in the class, in graph order."""
-        index = self.__dict__.get("_class_index")
-        if index is None:  # the unions are all made in __init__: index the classes once
-            index = {}
+        if self._class_index is None:  # the unions are all made in __init__: index once
+            self._class_index = {}
             for op, d, node in self._op_dims:
-                index.setdefault(self._uf.find(node), []).append((op, d))
-            self._class_index = index
-        yield from index.get(cls, ())
+                self._class_index.setdefault(self._uf.find(node), []).append((op, d))
+        yield from self._class_index.get(cls, ())
 
     def dim_of(self, op: Op, cls) -> str | None:
         """The op's dim in the class, if it has one."""
