@@ -19,11 +19,15 @@ from jscaler.cost import Estimate as Estimate
 from jscaler.cost import estimate as estimate
 from jscaler.errors import AnnotationError as AnnotationError
 from jscaler.errors import AssignmentError as AssignmentError
+from jscaler.errors import CheckpointError as CheckpointError
 from jscaler.errors import CoverageError as CoverageError
 from jscaler.errors import CycleError as CycleError
+from jscaler.errors import DistributedError as DistributedError
 from jscaler.errors import JscalerError as JscalerError
 from jscaler.errors import LayoutError as LayoutError
 from jscaler.errors import MaskError as MaskError
+from jscaler.errors import NonFiniteLossError as NonFiniteLossError
+from jscaler.errors import OutOfMemoryError as OutOfMemoryError
 from jscaler.errors import PlanError as PlanError
 from jscaler.errors import ScheduleError as ScheduleError
 from jscaler.errors import SplitError as SplitError
@@ -66,15 +70,19 @@ from jscaler.plan import simulate as simulate
 from jscaler.plan import split as split
 from jscaler.plan import stage_of_ops as stage_of_ops
 from jscaler.plan import validate as validate
+from jscaler.runtime import ParallelStep as ParallelStep
 from jscaler.runtime import PipelineTrainer as PipelineTrainer
 from jscaler.runtime import Space as Space
 from jscaler.runtime import Trainer as Trainer
+from jscaler.runtime import grad as grad
 from jscaler.runtime import parallelize as parallelize
+from jscaler.runtime import parallelize_step as parallelize_step
 from jscaler.runtime import spmd_pipeline as spmd_pipeline
+from jscaler.runtime import value_and_grad as value_and_grad
 from jscaler.search import intra_op as intra_op
 from jscaler.search import propagate as propagate
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Annotation",
@@ -83,6 +91,7 @@ __all__ = [
     "AttentionRegion",
     "Block",
     "check_annotations",
+    "CheckpointError",
     "Cluster",
     "CLUSTERS",
     "Coverage",
@@ -91,9 +100,11 @@ __all__ = [
     "data_parallel",
     "decouple",
     "DimClasses",
+    "DistributedError",
     "Estimate",
     "estimate",
     "find_attention",
+    "grad",
     "Graph",
     "intra_op",
     "JscalerError",
@@ -103,14 +114,18 @@ __all__ = [
     "Mask",
     "MaskError",
     "MeshSpec",
+    "NonFiniteLossError",
     "Node",
     "one_f_one_b",
     "Op",
     "op_assign",
     "op_order",
     "op_trans",
+    "OutOfMemoryError",
     "order_schedule",
     "parallelize",
+    "parallelize_step",
+    "ParallelStep",
     "PipelinePlan",
     "PipelineTrainer",
     "Plan",
@@ -137,5 +152,6 @@ __all__ = [
     "Trainer",
     "UnsupportedOpError",
     "validate",
+    "value_and_grad",
     "VTensor",
 ]

@@ -10,7 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "use_cpu_devices", "enable_compilation_cache"]
+__all__ = [
+    "cache_dir",
+    "distributed_timeouts",
+    "enable_compilation_cache",
+    "init_distributed",
+    "use_cpu_devices",
+]
 
 
 def cache_dir() -> Path:
@@ -63,10 +69,36 @@ def init_distributed() -> bool:
             env["JSCALER_COORDINATOR"],
             num_processes=int(env["JSCALER_NUM_PROCESSES"]),
             process_id=int(env["JSCALER_PROCESS_ID"]),
+            **distributed_timeouts(),
         )
         return True
     tasks = env.get("SLURM_NTASKS") or env.get("OMPI_COMM_WORLD_SIZE")
     if tasks and int(tasks) > 1:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**distributed_timeouts())
         return True
     return False
+
+
+def distributed_timeouts() -> dict[str, int]:
+    """Bounded timeouts for ``jax.distributed.initialize``, so a dead process stops the rest.
+
+    A process that stops sending heartbeats for ``$JSCALER_HEARTBEAT_TIMEOUT`` seconds
+    (default 60; jax's own default is 100) is declared dead by the coordination service,
+    which then terminates every other process instead of letting it wait in a collective
+    forever. ``$JSCALER_INIT_TIMEOUT`` (default 300) bounds the wait for all processes to
+    join, ``$JSCALER_SHUTDOWN_TIMEOUT`` (default 300) the wait at exit for the slowest
+    process to finish (a dead one fails that barrier at the heartbeat timeout). Only the
+    keyword arguments this jax's ``initialize`` accepts are returned.
+    """
+    import inspect
+
+    import jax
+
+    heartbeat = int(os.environ.get("JSCALER_HEARTBEAT_TIMEOUT", "60"))
+    wanted = {
+        "heartbeat_timeout_seconds": heartbeat,
+        "shutdown_timeout_seconds": int(os.environ.get("JSCALER_SHUTDOWN_TIMEOUT", "300")),
+        "initialization_timeout": int(os.environ.get("JSCALER_INIT_TIMEOUT", "300")),
+    }
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    return {k: v for k, v in wanted.items() if k in accepted}

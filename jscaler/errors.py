@@ -9,11 +9,15 @@ from __future__ import annotations
 __all__ = [
     "AnnotationError",
     "AssignmentError",
+    "CheckpointError",
     "CoverageError",
     "CycleError",
+    "DistributedError",
     "JscalerError",
     "LayoutError",
     "MaskError",
+    "NonFiniteLossError",
+    "OutOfMemoryError",
     "PlanError",
     "ScheduleError",
     "SplitError",
@@ -24,6 +28,10 @@ __all__ = [
 
 class JscalerError(Exception):
     """Base class of every error jscaler raises on purpose."""
+
+
+class CheckpointError(JscalerError):
+    """A checkpoint is missing, damaged, or does not fit the trainer restoring it."""
 
 
 class TraceError(JscalerError):
@@ -68,3 +76,20 @@ class CoverageError(PlanError):
 
 class LayoutError(PlanError):
     """The pieces of a tensor cannot be laid out on the plan's device mesh."""
+
+
+class DistributedError(JscalerError):
+    """The processes of a multi-process run disagree (on the plan), or one is gone."""
+
+
+class OutOfMemoryError(PlanError):
+    """The cost model predicts the plan needs more memory per device than the devices have."""
+
+
+class NonFiniteLossError(JscalerError):
+    """A training step produced a NaN or infinite loss or gradient; the step was not
+    applied (parameters and optimizer state are the last good ones)."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step

@@ -39,14 +39,19 @@ from spaces.zero import zero_over
 WEIGHT_OPS = ("dot_general", "conv_general_dilated")
 
 
+# ops a weight passes through before its matmul: casts, and the transpose of a kernel
+# stored (out, in), as Hugging Face's GPT-2 Conv1D does (the dim classes follow it)
+_PARAM_VIEWS = ("convert_element_type", "copy", "identity", "transpose")
+
+
 def _param_source(graph: jscaler.Graph, t: int) -> int | None:
-    """The parameter a tensor is (through dtype conversions), or None."""
+    """The parameter a tensor is (through dtype conversions and transposes), or None."""
     for _ in range(4):
         tensor = graph.tensors[t]
         if tensor.role == "param":
             return t
         op = graph.producer(t)
-        if op is None or op.primitive not in ("convert_element_type", "copy", "identity"):
+        if op is None or op.primitive not in _PARAM_VIEWS:
             return None
         t = op.inputs[0]
     return None

@@ -3,11 +3,12 @@
 import functools
 
 import jax
+import numpy as np
 import optax
 
 import jscaler
 import models
-from jscaler.runtime.reference import compare, reference_steps, trainer_steps
+from jscaler.runtime.reference import ATOL, RTOL, compare, reference_steps, trainer_steps
 
 LR = 0.1
 STEPS = 3
@@ -50,3 +51,47 @@ def assert_parity(model_name, plan, **kw):
 
 def leaves(tree):
     return jax.tree_util.tree_leaves(tree)
+
+
+def reference_with_aux(variables, loss_fn, batches, lr=LR):
+    """``jax.value_and_grad(..., has_aux=True)`` SGD steps on one device for linen variables
+    whose loss returns ``(loss, new_collections)``: per step (loss, grads, params), and the
+    non-param collections after each step."""
+    params = variables["params"]
+    rest = {k: v for k, v in variables.items() if k != "params"}
+    vg = jax.jit(jax.value_and_grad(lambda p, r, b: loss_fn({"params": p, **r}, b), has_aux=True))
+    opt = optax.sgd(lr)
+    opt_state = opt.init(params)
+    steps, collections = [], []
+    for batch in batches:
+        (loss, rest), grads = vg(params, rest, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        steps.append((float(loss), grads, params))
+        collections.append(rest)
+    return steps, collections
+
+
+def assert_matches_reference(model, loss_fn, batches, plan, *, devices=8, lr=LR, has_aux=False):
+    """Trains one SGD step per batch under ``plan`` and checks loss, gradients and updated
+    parameters (with ``has_aux``: and the linen collections carried as state) against the
+    same steps on one device, for models outside the registry; returns the trainer."""
+    if has_aux:
+        want, want_collections = reference_with_aux(model, loss_fn, batches, lr)
+    else:
+        want = reference_steps(model, loss_fn, optax.sgd(lr), batches)
+    trainer = jscaler.parallelize(
+        model, loss_fn, optax.sgd(lr), batches[0], devices=devices, plan=plan, has_aux=has_aux
+    )
+    got = []
+    for step, batch in enumerate(batches):
+        got += trainer_steps(trainer, [batch])
+        if has_aux:
+            have = {k: v for k, v in trainer.variables.items() if k != "params"}
+            pairs = zip(leaves(have), leaves(want_collections[step]), strict=True)
+            for x, y in pairs:  # the tolerance of updated parameters
+                atol = ATOL["param"] * np.max(np.abs(y), initial=0.0)
+                np.testing.assert_allclose(x, y, rtol=RTOL, atol=atol, err_msg=f"step {step}")
+    mm = compare(got, want)
+    assert mm.ok, "\n".join(mm.lines[:10])
+    return trainer

@@ -1,11 +1,23 @@
 """A pipeline whose stages live in different processes: ``jscaler launch`` starts two
 processes of 4 CPU devices each, joined by jax.distributed on 127.0.0.1; stage 0 runs on
-process 0's devices, stage 1 on process 1's, and the result matches one device."""
+process 0's devices, stage 1 on process 1's, and the result matches one device.
 
+Robustness (tests/mp_worker.py is the process they start): processes that derive
+different plans stop with a DistributedError; a process that dies or falls silent stops
+the others within a bounded time, with or without ``jscaler launch``."""
+
+import os
+import re
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
+
+import jscaler
 
 
 @pytest.mark.parametrize(
@@ -43,3 +55,144 @@ def test_a_launched_command_that_fails_reports_the_failure():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2
     assert "no-such-model" in proc.stderr
+
+
+# ---- robustness: plan agreement, and a process that dies ---------------------------------
+
+WORKER = Path(__file__).with_name("mp_worker.py")
+
+
+def _start_workers(mode: str, steps: int = 5, nprocs: int = 2):
+    """``nprocs`` processes of tests/mp_worker.py joined as ``jscaler launch`` would join
+    them, but started here (as SLURM would), with a 10 s heartbeat; output to files."""
+    from jscaler.launch import _free_port
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for i in range(nprocs):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env.update(
+            JSCALER_COORDINATOR=coordinator,
+            JSCALER_NUM_PROCESSES=str(nprocs),
+            JSCALER_PROCESS_ID=str(i),
+            JSCALER_LOCAL_DEVICES="2",
+            JSCALER_TRANSFER_ADDRESS=f"127.0.0.1:{_free_port()}",
+            JSCALER_HEARTBEAT_TIMEOUT="10",
+        )
+        log = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, str(WORKER), mode, str(steps)]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    return procs
+
+
+def _finish(proc, log, timeout: float) -> tuple[int, str]:
+    """Waits at most ``timeout`` s (then kills it and fails); the exit status and output."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        log.seek(0)
+        pytest.fail(f"process still running after {timeout:g} s:\n{log.read()[-3000:]}")
+    log.seek(0)
+    return proc.returncode, log.read()
+
+
+def test_processes_that_derive_different_plans_stop_with_a_distributed_error():
+    procs = _start_workers("disagree")
+    for proc, log in procs:
+        status, out = _finish(proc, log, timeout=120)
+        assert status == 2, out[-3000:]
+        assert "derived 2 different plans" in out, out[-3000:]
+        assert "processes [0]: hash" in out and "processes [1]: hash" in out
+        assert "'dp(dp=4)'" in out and "'megatron(tp=2, dp=2)'" in out
+        assert "nondeterministic space" in out
+
+
+def test_each_process_passing_only_its_rows_trains_as_the_global_batch():
+    """Trainer.global_batch (jax.make_array_from_process_local_data) from each process's
+    own rows gives the losses of every process passing the whole batch."""
+    runs = {}
+    for mode in ("agree", "local"):
+        outs = [_finish(proc, log, timeout=180) for proc, log in _start_workers(mode, steps=3)]
+        for status, out in outs:
+            assert status == 0, out[-3000:]
+        runs[mode] = re.findall(r"process 0 step \d loss ([\d.]+)", outs[0][1])
+    assert len(runs["agree"]) == 3 and runs["local"] == runs["agree"]
+
+
+@pytest.mark.parametrize(
+    "mode", ["die", pytest.param("die0", marks=pytest.mark.slow)]
+)  # fmt: skip
+def test_a_killed_process_stops_the_others_in_bounded_time(mode):
+    """No launcher: the survivor's next collective fails (DistributedError), or the
+    coordinator's loss terminates it; either way it exits non-zero, not hangs."""
+    start = time.monotonic()
+    procs = _start_workers(mode)
+    victim = 0 if mode == "die0" else 1
+    status, out = _finish(*procs[1 - victim], timeout=90)
+    took = time.monotonic() - start
+    _finish(*procs[victim], timeout=10)
+    assert procs[victim][0].returncode == -signal.SIGKILL
+    assert status != 0, out[-3000:]
+    assert took < 90
+    assert "another process died" in out or "another task died" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_silent_process_is_caught_by_the_heartbeat():
+    """Process 1 stops (SIGSTOP) without closing its connections: only jax.distributed's
+    heartbeat (10 s here) can tell process 0, which is then terminated."""
+    start = time.monotonic()
+    procs = _start_workers("hang")
+    try:
+        status, out = _finish(*procs[0], timeout=90)
+    finally:
+        procs[1][0].kill()
+        procs[1][0].wait()
+    assert status != 0 and time.monotonic() - start < 90
+    assert "heartbeat" in out or "another task died" in out, out[-3000:]
+
+
+def test_the_launcher_reports_a_killed_process_and_stops_the_others():
+    cmd = [sys.executable, "-m", "jscaler.cli", "launch", "--nprocs", "2",
+           "--devices-per-proc", "2", "--", sys.executable, str(WORKER), "die", "5"]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert time.monotonic() - start < 90
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
+    assert "jscaler launch: process 1 died (signal SIGKILL); stopping the other processes" in (
+        proc.stderr
+    )
+    assert "[process 1] process 1 step 0" in proc.stderr
+
+
+def test_the_plan_digest_is_stable_and_tells_plans_apart():
+    """Two derivations of one plan hash alike (traced twice, as two processes would);
+    another plan, another schedule or other devices hash differently."""
+    import jax
+
+    import models
+    from jscaler.plan.helpers import data_parallel
+    from jscaler.runtime.distributed import check_plan_agreement, plan_digest
+    from schedules import gpipe, one_f_one_b
+    from spaces import megatron
+
+    spec = models.get("gpt-tiny")
+
+    def graph():
+        return jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+
+    g1, g2 = graph(), graph()
+    devices = jax.devices()
+    assert plan_digest(data_parallel(g1, 8), None, devices) == plan_digest(
+        data_parallel(g2, 8), None, devices
+    )
+    assert plan_digest(data_parallel(g1, 8)) != plan_digest(megatron(tp=2)(g1, 8))
+    assert plan_digest(data_parallel(g1, 8), None, devices) != plan_digest(
+        data_parallel(g1, 8), None, devices[::-1]
+    )
+    pipe1, pipe2 = megatron(pp=2, dp=4)(g1, 8), megatron(pp=2, dp=4)(g2, 8)
+    assert plan_digest(pipe1, one_f_one_b(2, 4)) == plan_digest(pipe2, one_f_one_b(2, 4))
+    assert plan_digest(pipe1, one_f_one_b(2, 4)) != plan_digest(pipe1, gpipe(2, 4))
+    check_plan_agreement(pipe1, one_f_one_b(2, 4), devices)  # one process: nothing to ask

@@ -213,6 +213,8 @@ def _constrain(low: Lowered, x, layout: Layout):
 
 
 def _bind(op: Op, ins):
+    if op.primitive == "sharding_constraint":  # the plan's layouts replace the user's
+        return list(ins)
     eqn = op.eqn
     params = eqn.primitive.get_bind_params(eqn.params)
     with eqn.ctx.manager:

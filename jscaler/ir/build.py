@@ -4,6 +4,7 @@ calls whole, keeps scans as loop ops, and annotates and counts every op."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax.extend.core as jcore
 
@@ -121,6 +122,13 @@ class Builder:
             op = Op(oid, name, tuple(ins), tuple(outs), path, ann, op_flops(eqn), "op", eqn)
         if op.annotation is None and self.strict:
             raise UnsupportedOpError(_unsupported_message(op, eqn))
+        if name == "sharding_constraint":
+            warnings.warn(
+                f"with_sharding_constraint at module path {path or '<root>'!r}: jscaler's plan "
+                f"lays out every tensor, so the constraint is kept as the identity it is "
+                f"numerically and its sharding is replaced by the plan's (see plan.explain())",
+                stacklevel=2,
+            )
         return op
 
 
@@ -135,6 +143,17 @@ def _body_graph(jaxpr, consts, path: str, strict: bool) -> Graph:
     return b.graph(ins, outs)
 
 
+_OPAQUE = {
+    "shard_map": "a shard_map is per-device code on a mesh of its own: jscaler plans the "
+    "whole step and cannot re-plan inside it; write the computation without shard_map (the "
+    "plan chooses the split and the collectives). ",
+    "pallas_call": "a Pallas kernel is opaque to jscaler; declare which dims of its inputs "
+    "and outputs may be split (the kernel must be correct on any slice of them; "
+    "register_op's function sees the eqn, so it can tell kernels apart by "
+    "eqn.params['name']) or call the kernel's plain-JAX reference implementation. ",
+}
+
+
 def _unsupported_message(op: Op, eqn) -> str:
     def fmt(vs):
         return ", ".join(f"{_dtype(v.aval)}{list(getattr(v.aval, 'shape', ()))}" for v in vs)
@@ -143,7 +162,7 @@ def _unsupported_message(op: Op, eqn) -> str:
         "a b c d e f g h"[: 2 * len(getattr(v.aval, "shape", ())) - 1] for v in eqn.invars
     ]
     example = ", ".join(r or "()" for r in rank_names) + " -> ..."
-    return (
+    return _OPAQUE.get(op.primitive, "") + (
         f"no dim annotation for primitive {op.primitive!r} at module path "
         f"{op.path or '<root>'!r} ({fmt(eqn.invars)} -> {fmt(eqn.outvars)}). jscaler must "
         f"know which dims of every op can be split. Register one before tracing, e.g. "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +36,17 @@ def _key_name(path) -> str:
 class Signature:
     """How the graph's flat inputs and outputs relate to ``loss_fn(model_or_params, batch)``.
 
-    Inputs are: trained params, then (nnx) the model's other variables, then batch leaves.
-    Outputs are: the loss, then (nnx) the other variables after the call.
+    Inputs are: trained params, then the state (an nnx model's other variables, or linen
+    variables' collections other than ``"params"``), then batch leaves. Outputs are: the
+    loss, then the state after the call.
+
+    ``kind`` is ``"nnx"`` (an nnx Module), ``"params"`` (a pytree, all of it trained) or
+    ``"linen"`` (linen variables ``{"params": ..., <collection>: ...}`` traced with
+    ``has_aux=True``: ``params_def`` is the ``"params"`` tree's, ``state_def`` the other
+    collections').
     """
 
-    kind: str  # "nnx" | "params"
+    kind: str  # "nnx" | "params" | "linen"
     graphdef: Any
     params_def: Any
     state_def: Any
@@ -59,9 +65,29 @@ class Signature:
             _check_def("model parameters", p_def, self.params_def)
             _check_def("model variables", s_def, self.state_def)
             return p_leaves, s_leaves
+        if self.kind == "linen":
+            params, rest = _linen_split(model_or_params)
+            p_leaves, p_def = jax.tree_util.tree_flatten(params)
+            s_leaves, s_def = jax.tree_util.tree_flatten(rest)
+            _check_def("params collection", p_def, self.params_def)
+            _check_def("non-param collections", s_def, self.state_def)
+            return p_leaves, s_leaves
         leaves, tdef = jax.tree_util.tree_flatten(model_or_params)
         _check_def("params", tdef, self.params_def)
         return leaves, []
+
+    def variables(self, params, state_leaves) -> dict:
+        """Linen variables ``{"params": params, <collection>: ...}`` from the params tree
+        and the state leaves (``kind == "linen"`` only)."""
+        if self.kind != "linen":
+            use = ".model" if self.kind == "nnx" else ".params"
+            raise TypeError(
+                f"variables are for linen variables traced with has_aux=True; this graph "
+                f"was traced from {'an nnx Module' if self.kind == 'nnx' else 'a params pytree'}"
+                f" (use {use})"
+            )
+        rest = jax.tree_util.tree_unflatten(self.state_def, list(state_leaves))
+        return {"params": params, **rest}
 
     def make_fn(self, graph: Graph) -> Callable:
         sig = self
@@ -74,6 +100,8 @@ class Signature:
             if sig.kind == "nnx" and s_leaves:
                 new_state = jax.tree_util.tree_unflatten(sig.state_def, outs[1:])
                 nnx.update(model_or_params, new_state)
+            if sig.kind == "linen":  # as the user's loss: (loss, new collections)
+                return outs[0], jax.tree_util.tree_unflatten(sig.state_def, outs[1:])
             return outs[0]
 
         return fn
@@ -87,28 +115,55 @@ def _check_def(what: str, got, expected) -> None:
         )
 
 
-def trace(loss_fn: Callable, model_or_params: Any, batch: Any, *, strict: bool = True) -> Graph:
+def trace(
+    loss_fn: Callable,
+    model_or_params: Any,
+    batch: Any,
+    *,
+    strict: bool = True,
+    has_aux: bool = False,
+) -> Graph:
     """Traces ``loss_fn(model_or_params, batch) -> scalar`` into a :class:`Graph`.
 
     Args:
       loss_fn: the user's loss. For an nnx model it is called as ``loss_fn(model, batch)``;
         for a params pytree (linen users close over ``module.apply``) as
-        ``loss_fn(params, batch)``.
-      model_or_params: a ``flax.nnx.Module`` or a pytree of arrays.
+        ``loss_fn(params, batch)``; with ``has_aux=True`` as ``loss_fn(variables, batch)
+        -> (loss, new_collections)``.
+      model_or_params: a ``flax.nnx.Module``, a pytree of arrays, or (``has_aux=True``)
+        linen variables ``{"params": ..., "batch_stats": ..., ...}``.
       batch: a pytree of arrays (abstract ``jax.ShapeDtypeStruct`` leaves work too).
       strict: raise :class:`UnsupportedOpError` for an op without a dim annotation; with
         False, such ops are kept with ``annotation=None`` and show in ``coverage()``.
+      has_aux: linen mutable collections. Only ``variables["params"]`` is trained; the
+        other collections are state, replaced each step by the ``new_collections`` the
+        loss returns (``module.apply(variables, x, mutable=["batch_stats"])`` gives them),
+        which must hold exactly those collections with the same structure and shapes.
 
     Returns:
       The graph of the forward computation. Param tensors are named by their pytree path.
+
+    Raises:
+      TraceError: the loss is not a scalar float; it returns a tuple without
+        ``has_aux=True``, or (with it) not ``(loss, collections)`` matching the variables.
 
     Example::
 
         graph = jscaler.trace(gpt.loss, model, batch)
         print(graph.select("blocks/0/attn/*").ops)
+
+        def loss(variables, batch):  # linen with BatchNorm
+            logits, new = cnn.apply(variables, batch["x"], mutable=["batch_stats"])
+            return xent(logits, batch["y"]), new
+        graph = jscaler.trace(loss, variables, batch, has_aux=True)
     """
     b_leaves, b_paths, b_def = _flatten_with_names(batch, "batch")
     if isinstance(model_or_params, nnx.Module):
+        if has_aux:
+            raise TraceError(
+                "has_aux=True is for linen variables {'params': ..., <collection>: ...}; an "
+                "nnx model's loss returns the loss alone (its variables update in place)"
+            )
         graphdef, params, state = nnx.split(model_or_params, nnx.Param, ...)
         p_leaves, p_names, p_def = _flatten_with_names(params, "")
         s_leaves, s_names, s_def = _flatten_with_names(state, "")
@@ -124,7 +179,23 @@ def trace(loss_fn: Callable, model_or_params: Any, batch: Any, *, strict: bool =
             with module_scopes(model):
                 loss = loss_fn(model, jax.tree_util.tree_unflatten(b_def, leaves[n_p + n_s :]))
             _, _, new_state = nnx.split(model, nnx.Param, ...)
-            return (loss, *jax.tree_util.tree_leaves(new_state))
+            return (_only_loss(loss), *jax.tree_util.tree_leaves(new_state))
+
+    elif has_aux:
+        params, rest = _linen_split(model_or_params)
+        p_leaves, p_names, p_def = _flatten_with_names(params, "params")
+        s_leaves, s_names, s_def = _flatten_with_names(rest, "")
+        sig = Signature("linen", None, p_def, s_def, b_def)
+        n_p, n_s = len(p_leaves), len(s_leaves)
+
+        def flat(*leaves):
+            variables = {
+                "params": jax.tree_util.tree_unflatten(p_def, leaves[:n_p]),
+                **jax.tree_util.tree_unflatten(s_def, leaves[n_p : n_p + n_s]),
+            }
+            out = loss_fn(variables, jax.tree_util.tree_unflatten(b_def, leaves[n_p + n_s :]))
+            loss, new = _loss_and_aux(out)
+            return (loss, *_aux_leaves(new, rest, leaves[n_p : n_p + n_s]))
 
     else:
         p_leaves, p_names, p_def = _flatten_with_names(model_or_params, "")
@@ -134,7 +205,8 @@ def trace(loss_fn: Callable, model_or_params: Any, batch: Any, *, strict: bool =
 
         def flat(*leaves):
             params = jax.tree_util.tree_unflatten(p_def, leaves[:n_p])
-            return (loss_fn(params, jax.tree_util.tree_unflatten(b_def, leaves[n_p:])),)
+            loss = loss_fn(params, jax.tree_util.tree_unflatten(b_def, leaves[n_p:]))
+            return (_only_loss(loss),)
 
     avals = [
         _abstract(x, n) for x, n in zip(p_leaves + s_leaves + b_leaves, p_names + s_names + b_paths)
@@ -155,6 +227,81 @@ def trace(loss_fn: Callable, model_or_params: Any, batch: Any, *, strict: bool =
     ]
     outs = b.convert(closed.jaxpr, closed.consts, ins)
     return b.graph(ins, outs, sig)
+
+
+def _linen_split(variables) -> tuple[Any, dict]:
+    """(the ``"params"`` collection, {other collection: tree}) of linen variables."""
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        got = type(variables).__name__
+        if isinstance(variables, Mapping):
+            got = f"a mapping with keys {sorted(variables)}"
+        raise TraceError(
+            f"has_aux=True expects linen variables {{'params': ..., <collection>: ...}} "
+            f"(what module.init returns); got {got}"
+        )
+    return variables["params"], {k: variables[k] for k in variables if k != "params"}
+
+
+def _only_loss(out):
+    if isinstance(out, (tuple, list)):
+        raise TraceError(
+            f"loss_fn returned a {type(out).__name__} of {len(out)}, not a scalar loss. If it "
+            f"returns (loss, new_collections) from a linen module.apply(..., mutable=[...]), "
+            f"pass has_aux=True with the linen variables; otherwise return the loss alone"
+        )
+    return out
+
+
+def _loss_and_aux(out):
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        got = f"a {type(out).__name__}"
+        if isinstance(out, (tuple, list)):
+            got += f" of {len(out)}"
+        raise TraceError(
+            f"with has_aux=True, loss_fn must return (loss, new_collections); it returned "
+            f"{got}. Return e.g. `logits, new = module.apply(variables, x, "
+            f"mutable=['batch_stats'])` ... `return loss, new`, or drop has_aux=True"
+        )
+    return out
+
+
+def _aux_leaves(new, rest: dict, old_leaves) -> list:
+    """The leaves of the returned collections, in the order of the variables' non-param
+    collections, after checking they are the same collections, structure and shapes."""
+    if not isinstance(new, Mapping):
+        raise TraceError(
+            f"with has_aux=True, loss_fn's aux must be the updated collections "
+            f"(a dict like {{'batch_stats': ...}}); it returned a {type(new).__name__}"
+        )
+    want, got = sorted(rest), sorted(new)
+    if want != got:
+        raise TraceError(
+            f"loss_fn returned collections {got}, but the variables' non-param collections "
+            f"are {want}: every one is carried as state and replaced by the returned one. "
+            f"Call module.apply(..., mutable={want}), or leave the unused collections out "
+            f"of the variables"
+        )
+    new = {k: new[k] for k in want}
+    w_pairs = jax.tree_util.tree_flatten_with_path(rest)[0]
+    g_pairs = jax.tree_util.tree_flatten_with_path(new)[0]
+    w_paths = [_key_name(p) for p, _ in w_pairs]
+    g_paths = [_key_name(p) for p, _ in g_pairs]
+    if w_paths != g_paths:
+        missing = sorted(set(w_paths) - set(g_paths))[:3]
+        extra = sorted(set(g_paths) - set(w_paths))[:3]
+        raise TraceError(
+            f"the collections loss_fn returned have another structure than the variables' "
+            f"(missing {missing}, unexpected {extra}); return what module.apply(..., "
+            f"mutable=[...]) gives for the same variables"
+        )
+    for path, (_, x), old in zip(w_paths, g_pairs, old_leaves):
+        if (jnp.shape(x), jnp.result_type(x)) != (old.shape, old.dtype):
+            raise TraceError(
+                f"collection leaf {path!r} comes back as {jnp.result_type(x)}{list(jnp.shape(x))}"
+                f" but is {old.dtype}{list(old.shape)} in the variables; state must keep its "
+                f"shape and dtype from step to step"
+            )
+    return [x for _, x in g_pairs]
 
 
 def _flatten_with_names(tree, prefix: str):

@@ -15,6 +15,7 @@ update each stage receives its parameters back in its storage layout.
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass, field
 
 import jax
@@ -29,9 +30,11 @@ from jscaler.errors import PlanError, ScheduleError
 from jscaler.ir.graph import Graph
 from jscaler.plan.pipeline import PipelinePlan, pass_of_ops, stage_of_ops
 from jscaler.plan.schedule import Block, Schedule
+from jscaler.runtime import checkpoint
+from jscaler.runtime.distributed import peer_failures_as_errors
 from jscaler.runtime.handoff import handoff_for
 from jscaler.runtime.stages import Stage, build_stages
-from jscaler.runtime.trainer import batch_leaves, microbatches
+from jscaler.runtime.trainer import batch_leaves, check_finite, microbatches
 
 __all__ = ["DriverLog", "PipelineTrainer"]
 
@@ -257,6 +260,19 @@ class PipelineTrainer:
         self.log = log
         return self._handoff.scalar(_sum(losses)) / m, grads
 
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def save(self, directory) -> pathlib.Path:
+        """Saves parameters, optimizer state, model state and step count to
+        ``directory/<step>`` atomically; returns that path once it is on disk. See
+        :mod:`jscaler.runtime.checkpoint`."""
+        return checkpoint.save(self, directory)
+
+    def restore(self, directory, step: int | None = None) -> int:
+        """Loads the newest usable checkpoint in ``directory`` (or ``step``) into this
+        trainer's layouts, whatever plan or device count saved it; returns its step."""
+        return checkpoint.restore(self, directory, step)
+
     # ---- the update ---------------------------------------------------------------------
 
     def _build_update(self):
@@ -274,9 +290,15 @@ class PipelineTrainer:
             donate_argnums=(0, 1),
         )
 
+    @peer_failures_as_errors
     def step(self, batch) -> dict[str, float]:
-        """One training step: ``{"loss", "grad_norm"}`` (loss before the update)."""
+        """One training step: ``{"loss", "grad_norm"}`` (loss before the update).
+
+        Raises:
+          NonFiniteLossError: the loss is NaN or infinite; the update was not applied.
+        """
         loss, grads = self._run(batch)
+        check_finite(float(loss), 0.0, self.step_count + 1)
         if self._update_fn is None:
             self._update_fn = self._build_update()
         self._master, self._opt_state, gnorm, stacked = self._update_fn(
@@ -291,6 +313,42 @@ class PipelineTrainer:
         loss, grads = self._run(batch)
         total = [self._handoff.gathered(parts) for parts in self._handoff.gradients(grads)]
         return loss, self._tree(total)
+
+    def eval(self, batch) -> dict[str, float]:
+        """The loss on ``batch`` at the current parameters, without an update (the
+        schedule runs, its gradients are dropped): ``{"loss"}``."""
+        loss, _ = self._run(batch)
+        return {"loss": float(loss)}
+
+    def export(self):
+        """The trained model as plain host arrays gathered from every device and process:
+        an ``nnx.State`` for an nnx model (``nnx.update(model, trainer.export())``), else
+        the params pytree."""
+        return self.params
+
+    def estimate(self, cluster=None):
+        """The cost model's prediction of this pipeline's step (:class:`jscaler.Estimate`)
+        on ``cluster`` (default ``cpu``); its ``timeline`` holds the blocks' spans."""
+        from jscaler.runtime.preflight import predict
+
+        return predict(
+            self.pplan, cluster or "cpu", microbatches=self._m, schedule=self.schedule,
+            precision=self.precision,
+        )  # fmt: skip
+
+    def timeline(self, path: str, cluster=None):
+        """Writes the schedule's blocks at the durations the cost model predicts on
+        ``cluster``, one lane per device group, as a Chrome trace (``.json``) or a PNG
+        (``.png``); SIMULATED. Returns the :class:`jscaler.Estimate`."""
+        from jscaler.runtime.timeline import write_pipeline_timeline
+
+        est = self.estimate(cluster)
+        title = (
+            f"{self.pplan.name} / {self.schedule.name} on {est.devices} x {est.cluster}: "
+            f"bubble {est.bubble:.1%}, SIMULATED by the cost model"
+        )
+        write_pipeline_timeline(est.timeline, path, title)
+        return est
 
     def comm_table(self):
         raise PlanError("comm_table() covers single-program plans; a pipeline has one per group")

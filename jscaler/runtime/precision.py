@@ -27,9 +27,10 @@ def compute_dtype(precision: str):
     return COMPUTE_DTYPES[precision]
 
 
-def map_floats(model_or_params, batch, fn):
+def map_floats(model_or_params, batch, fn, *, has_aux: bool = False):
     """(model or params, batch) with ``fn`` applied to every floating parameter and batch
-    leaf (an nnx model's Params only; its other variables are left as they are)."""
+    leaf (an nnx model's Params only, or with ``has_aux`` the ``"params"`` collection of
+    linen variables; other variables are left as they are)."""
 
     def leaf(x):
         dtype = getattr(x, "dtype", None)
@@ -39,11 +40,15 @@ def map_floats(model_or_params, batch, fn):
     if isinstance(model_or_params, nnx.Module):
         graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
         return nnx.merge(graphdef, jax.tree_util.tree_map(leaf, params), rest), batch
+    if has_aux:
+        variables = dict(model_or_params)
+        return {**variables, "params": jax.tree_util.tree_map(leaf, variables["params"])}, batch
     return jax.tree_util.tree_map(leaf, model_or_params), batch
 
 
-def with_compute_dtype(model_or_params, batch, dtype):
+def with_compute_dtype(model_or_params, batch, dtype, *, has_aux: bool = False):
     """(model or params, batch) to trace the loss with: floats as ``dtype`` shapes."""
     if dtype is None:
         return model_or_params, batch
-    return map_floats(model_or_params, batch, lambda x: jax.ShapeDtypeStruct(x.shape, dtype))
+    cast = lambda x: jax.ShapeDtypeStruct(x.shape, dtype)  # noqa: E731
+    return map_floats(model_or_params, batch, cast, has_aux=has_aux)

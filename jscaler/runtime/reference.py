@@ -10,6 +10,10 @@ a gradient sums B*S rows, and plain data parallelism on gpt-tiny (which only reg
 batch sum) already moves gradient entries near zero by up to 1.9e-6*max|g|. So gradients
 get 1e-5*max|g|, updated parameters 1e-6*max|p|, the loss RTOL alone. A wrong layout or a
 missing reduction moves values by orders of magnitude more.
+
+A leaf whose exact value is zero (the gradient of an attention key's bias, which softmax
+cancels) holds only rounding noise, so a leaf's scale is at least ``ZERO_FLOOR`` times the
+largest leaf's of its kind.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = ["TOLERANCES", "Mismatch", "compare", "reference_steps", "trainer_step
 
 RTOL = 1e-5
 ATOL = {"loss": 0.0, "grad": 1e-5, "param": 1e-6}  # times max|b| of the leaf
+ZERO_FLOOR = 1e-3  # a leaf's max|b| counts as at least this times the tree's
 
 # bf16 keeps 8 significant bits (eps 2^-7): a plan regroups partial sums that each get
 # rounded to bf16, so after 3 SGD steps gpt-tiny and mlp-tiny differ from the bf16
@@ -104,9 +109,10 @@ class Mismatch:
         return not self.lines
 
 
-def _leaf_err(a, b, rtol, atol):
+def _leaf_err(a, b, rtol, atol, floor=0.0):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    excess = np.abs(a - b) - (rtol * np.abs(b) + atol * np.max(np.abs(b), initial=0.0))
+    scale = max(float(np.max(np.abs(b), initial=0.0)), floor)
+    excess = np.abs(a - b) - (rtol * np.abs(b) + atol * scale)
     return float(np.max(np.abs(a - b), initial=0.0)), bool(np.all(excess <= 0))
 
 
@@ -125,8 +131,9 @@ def compare(got, want, *, rtol: float = RTOL, atol: dict | None = None) -> Misma
         for what, a, b in (("grad", grads, wg), ("param", params, wp)):
             la = jax.tree_util.tree_flatten_with_path(a)[0]
             lb = jax.tree_util.tree_leaves(b)
+            top = max((float(np.max(np.abs(np.asarray(y)), initial=0.0)) for y in lb), default=0)
             for (path, x), y in zip(la, lb, strict=True):
-                err, ok = _leaf_err(x, y, rtol, atol[what])
+                err, ok = _leaf_err(x, y, rtol, atol[what], ZERO_FLOOR * top)
                 mm.max_err[what] = max(mm.max_err.get(what, 0.0), err)
                 if not ok:
                     mm.lines.append(

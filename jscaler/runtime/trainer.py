@@ -8,18 +8,24 @@ parameters in their storage layout. ZeRO-1/2/3 are these layouts, not separate c
 
 from __future__ import annotations
 
+import math
+import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jscaler.compile.lower import Lowered
-from jscaler.errors import PlanError
+from jscaler.cost.cluster import Cluster
+from jscaler.errors import NonFiniteLossError, PlanError
 from jscaler.ir.graph import Graph
-from jscaler.plan.plan import Plan
+from jscaler.runtime import checkpoint
+from jscaler.runtime.distributed import peer_failures_as_errors
 
 __all__ = ["Trainer"]
 
@@ -43,44 +49,96 @@ class Trainer:
         microbatches: int,
         batch_shapes: list[jax.ShapeDtypeStruct],
         precision: str = "fp32",
+        *,
+        replan: Callable | None = None,
+        cluster: Cluster | None = None,
+        optimizer_slots: int = 0,
     ):
-        self.graph = graph
-        self.plan: Plan = lowered.plan
         self.precision = precision
-        self._low = lowered
+        self.cluster = cluster
         self._optimizer = optimizer
+        self._optimizer_slots = optimizer_slots
         self._m = microbatches
         self._sig = graph.signature
-        self._batch_shapes = batch_shapes
+        self._replan = replan
         self._graphdef = None
         p_leaves, s_leaves = self._sig.split(model_or_params)
         if self._sig.kind == "nnx":
             self._graphdef = self._sig.graphdef
         self._n_p, self._n_s = len(p_leaves), len(s_leaves)
-        shard = lowered.input_shardings()
-        self._p_shard = shard[: self._n_p]
-        self._s_shard = shard[self._n_p : self._n_p + self._n_s]
-        self._b_shard = shard[self._n_p + self._n_s :]
+        self._master_dtypes = [x.dtype for x in p_leaves]
+        self._variants: dict = {}
+        self._key = None
+        self._use(_batch_key(batch_shapes), self._layouts(graph, lowered, batch_shapes))
         self._params = _place(p_leaves, self._p_shard)
         self._state = _place(s_leaves, self._s_shard)
         params_tree = self._tree(self._params)
-        abstract_opt = jax.eval_shape(optimizer.init, params_tree)
+        self._opt_state = jax.jit(optimizer.init, out_shardings=self._opt_shard)(params_tree)
+        self.step_count = 0
+
+    def _layouts(self, graph: Graph, lowered: Lowered, batch_shapes) -> dict:
+        """Everything that depends on the batch shape: the plan, its lowering, the
+        shardings of parameters, state, batch and optimizer state, the compiled steps."""
+        shard = lowered.input_shardings()
+        p_shard = shard[: self._n_p]
+        abstract = [
+            jax.ShapeDtypeStruct(t.shape, d) for t, d in zip(graph.params(), self._master_dtypes)
+        ]
+        abstract_opt = jax.eval_shape(self._optimizer.init, self._tree(abstract))
         param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
         upd = self._tree([lowered.sharding(lowered.update[t]) for t in param_ids])
         rep = NamedSharding(lowered.mesh, PartitionSpec())
-        self._opt_shard = optax.tree_map_params(
-            optimizer, lambda _, s: s, abstract_opt, upd, transform_non_params=lambda _: rep
-        )
-        self._opt_state = jax.jit(optimizer.init, out_shardings=self._opt_shard)(params_tree)
-        self._grad_layouts = [lowered.grad[t] for t in param_ids]
-        self._upd_layouts = [lowered.update[t] for t in param_ids]
-        tensors = graph.tensors
-        roles = [tensors[t] for t in graph.inputs]
-        self._p_dtypes = [t.dtype for t in roles if t.role == "param"]
-        self._b_dtypes = [t.dtype for t in roles if t.role == "batch"]
-        self._step_fn = None
-        self._grad_fn = None
-        self.step_count = 0
+        roles = [graph.tensors[t] for t in graph.inputs]
+        return {
+            "graph": graph,
+            "plan": lowered.plan,
+            "_low": lowered,
+            "_batch_shapes": batch_shapes,
+            "_p_shard": p_shard,
+            "_s_shard": shard[self._n_p : self._n_p + self._n_s],
+            "_b_shard": shard[self._n_p + self._n_s :],
+            "_opt_shard": optax.tree_map_params(
+                self._optimizer,
+                lambda _, s: s,
+                abstract_opt,
+                upd,
+                transform_non_params=lambda _: rep,
+            ),
+            "_grad_layouts": [lowered.grad[t] for t in param_ids],
+            "_upd_layouts": [lowered.update[t] for t in param_ids],
+            "_p_dtypes": [t.dtype for t in roles if t.role == "param"],
+            "_b_dtypes": [t.dtype for t in roles if t.role == "batch"],
+            "_step_fn": None,
+            "_grad_fn": None,
+            "_eval_fn": None,
+        }
+
+    def _use(self, key, attrs: dict) -> None:
+        """Makes one batch shape's layouts and compiled steps the current ones."""
+        if self._key is not None:
+            self._variants[self._key] = {a: getattr(self, a) for a in attrs}
+        for a, v in attrs.items():
+            setattr(self, a, v)
+        self._key = key
+
+    def _for_batch(self, batch) -> None:
+        """Switches to the step for this batch's shapes: a new shape is planned (from the
+        space given to ``parallelize``), lowered and compiled once, then cached; the
+        parameters and optimizer state move to its layouts if they differ."""
+        leaves = jax.tree_util.tree_leaves(batch)
+        key = _batch_key(leaves)
+        if key == self._key or self._replan is None or len(leaves) != len(self._b_shard):
+            return  # same shape, or batch_leaves explains the mismatch
+        attrs = self._variants.get(key)
+        if attrs is None:
+            graph, lowered, shapes = self._replan(batch)
+            attrs = self._layouts(graph, lowered, shapes)
+        before = (self._p_shard, self._s_shard, self._opt_shard)
+        self._use(key, attrs)
+        if before != (self._p_shard, self._s_shard, self._opt_shard):
+            self._params = [jax.device_put(x, s) for x, s in zip(self._params, self._p_shard)]
+            self._state = [jax.device_put(x, s) for x, s in zip(self._state, self._s_shard)]
+            self._opt_state = jax.device_put(self._opt_state, self._opt_shard)
 
     # ---- trees -----------------------------------------------------------------------
 
@@ -89,7 +147,8 @@ class Trainer:
 
     @property
     def params(self):
-        """The current parameters, gathered to full arrays (nnx State or your pytree)."""
+        """The current parameters, gathered to full arrays: an nnx model's Params State,
+        your params pytree, or linen variables' ``"params"`` collection."""
         return self._tree([jax.device_get(p) for p in self._params])
 
     def shardings(self):
@@ -100,9 +159,32 @@ class Trainer:
     def model(self):
         """For an nnx model: a new model holding the current parameters and state."""
         if self._sig.kind != "nnx":
-            raise TypeError("model is for nnx models; use .params for a params pytree")
+            raise TypeError(
+                "model is for nnx models; use .params for a params pytree, .variables for "
+                "linen variables (has_aux=True)"
+            )
         state = jax.tree_util.tree_unflatten(self._sig.state_def, list(self._state))
         return nnx.merge(self._graphdef, self.params, state)
+
+    @property
+    def variables(self) -> dict:
+        """For linen variables (``has_aux=True``): ``{"params": ..., <collection>: ...}``
+        with the current parameters and collections (``.params`` is the ``"params"``
+        tree alone)."""
+        return self._sig.variables(self.params, [jax.device_get(s) for s in self._state])
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def save(self, directory) -> pathlib.Path:
+        """Saves parameters, optimizer state, model state and step count to
+        ``directory/<step>`` atomically; returns that path once it is on disk. See
+        :mod:`jscaler.runtime.checkpoint`."""
+        return checkpoint.save(self, directory)
+
+    def restore(self, directory, step: int | None = None) -> int:
+        """Loads the newest usable checkpoint in ``directory`` (or ``step``) into this
+        trainer's layouts, whatever plan or device count saved it; returns its step."""
+        return checkpoint.restore(self, directory, step)
 
     # ---- the step --------------------------------------------------------------------
 
@@ -145,7 +227,7 @@ class Trainer:
         low = self._low
 
         def step(params, opt_state, state, batch):
-            loss, state, grads = self._loss_and_grads(params, state, batch)
+            loss, new_state, grads = self._loss_and_grads(params, state, batch)
             grad_norm = optax.tree.norm(grads)
             p_u = [
                 jax.lax.with_sharding_constraint(p, low.sharding(lay))
@@ -156,9 +238,18 @@ class Trainer:
                 for g, lay in zip(grads, self._upd_layouts)
             ]
             p_tree, g_tree = self._tree(p_u), self._tree(g_u)
-            updates, opt_state = self._optimizer.update(g_tree, opt_state, p_tree)
+            updates, new_opt = self._optimizer.update(g_tree, opt_state, p_tree)
             new = jax.tree_util.tree_leaves(optax.apply_updates(p_tree, updates))
-            return new, opt_state, state, loss, grad_norm
+            # a NaN/inf loss or gradient leaves everything as it was (step() raises)
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            keep = lambda a, b: jax.tree_util.tree_map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
+            return (
+                keep(new, params),
+                keep(new_opt, opt_state),
+                keep(new_state, state),
+                loss,
+                grad_norm,
+            )
 
         rep = NamedSharding(low.mesh, PartitionSpec())
         return jax.jit(
@@ -174,6 +265,7 @@ class Trainer:
     def compiled(self, batch):
         """The compiled training step for this batch: ``.as_text()`` shows the collectives
         XLA emitted, ``.memory_analysis()`` the per-device memory."""
+        self._for_batch(batch)
         if self._step_fn is None:
             self._step_fn = self._build_step()
         b = self._put_batch(batch)
@@ -190,19 +282,125 @@ class Trainer:
         """The compiled HLO text of the training step for this batch."""
         return self.compiled(batch).as_text()
 
+    @peer_failures_as_errors
     def step(self, batch) -> dict[str, float]:
-        """One training step: ``{"loss", "grad_norm"}`` (loss before the update)."""
+        """One training step: ``{"loss", "grad_norm"}`` (loss before the update).
+
+        Raises:
+          NonFiniteLossError: the loss or a gradient is NaN or infinite; the update was not
+            applied, so the parameters and optimizer state are those before this step.
+        """
+        self._for_batch(batch)
         if self._step_fn is None:
             self._step_fn = self._build_step()
         b = self._put_batch(batch)
         self._params, self._opt_state, self._state, loss, gnorm = self._step_fn(
             self._params, self._opt_state, self._state, b
         )
+        loss, gnorm = float(loss), float(gnorm)
+        check_finite(loss, gnorm, self.step_count + 1)
         self.step_count += 1
-        return {"loss": float(loss), "grad_norm": float(gnorm)}
+        return {"loss": loss, "grad_norm": gnorm}
+
+    def global_batch(self, local_batch):
+        """The global batch, in the plan's batch layout, from this process's rows.
+
+        In a multi-process run each process loads only its own rows: process ``i`` of
+        ``P`` passes rows ``i*B/P ... (i+1)*B/P`` of the global batch of ``B`` rows (the
+        rows its devices hold under the plan), and
+        ``jax.make_array_from_process_local_data`` assembles the global arrays without
+        any process seeing the others' data. In one process it is the batch itself.
+
+        Example::
+
+            local = load_rows(jax.process_index(), jax.process_count())
+            trainer.step(trainer.global_batch(local))
+        """
+        leaves, tdef = jax.tree_util.tree_flatten(local_batch)
+        if len(leaves) != len(self._b_shard):
+            raise PlanError(
+                f"the local batch has {len(leaves)} leaves; the trainer was made for "
+                f"{len(self._b_shard)}"
+            )
+        n = jax.process_count()
+        out = []
+        for i, (x, sh, want) in enumerate(zip(leaves, self._b_shard, self._batch_shapes)):
+            shape = (x.shape[0] * n, *x.shape[1:])
+            if shape != tuple(want.shape):
+                raise PlanError(
+                    f"local batch leaf {i} has shape {tuple(x.shape)}: times {n} processes "
+                    f"that is {shape}, but the trainer was made for {tuple(want.shape)}; "
+                    f"each process passes its {want.shape[0] // n} rows"
+                )
+            out.append(jax.make_array_from_process_local_data(sh, np.asarray(x), shape))
+        return jax.tree_util.tree_unflatten(tdef, out)
+
+    def eval(self, batch) -> dict[str, float]:
+        """The loss on ``batch`` at the current parameters, without an update (the forward
+        only, under the same plan; model state such as BatchNorm statistics is not
+        updated either): ``{"loss"}``."""
+        self._for_batch(batch)
+        if self._eval_fn is None:
+            rep = NamedSharding(self._low.mesh, PartitionSpec())
+            self._eval_fn = jax.jit(
+                self._loss_only,
+                in_shardings=(self._p_shard, self._s_shard, self._b_shard),
+                out_shardings=rep,
+            )
+        return {"loss": float(self._eval_fn(self._params, self._state, self._put_batch(batch)))}
+
+    def _loss_only(self, params, state, batch):
+        low, m = self._low, self._m
+
+        def one(mb):
+            p = [x.astype(d) for x, d in zip(params, self._p_dtypes)]
+            mb = [x.astype(d) for x, d in zip(mb, self._b_dtypes)]
+            return low.forward(*p, *state, *mb)[0].astype(jnp.float32)
+
+        if m == 1:
+            return one(batch)
+        split = [microbatches(b, m) for b in batch]
+        losses = jax.lax.map(lambda i: one([b[:, i] for b in split]), jnp.arange(m))
+        return losses.mean()
+
+    def export(self):
+        """The trained model as plain host arrays, gathered from every device (and every
+        process): for an nnx model an ``nnx.State`` of all its variables (load it with
+        ``nnx.update(model, trainer.export())``), for a params pytree the pytree, for
+        linen variables (``has_aux=True``) the variables with every collection."""
+        params = self._tree([_gather(p) for p in self._params])
+        if self._sig.kind == "linen":
+            return self._sig.variables(params, [_gather(s) for s in self._state])
+        if self._sig.kind != "nnx":
+            return params
+        state = jax.tree_util.tree_unflatten(self._sig.state_def, [_gather(s) for s in self._state])
+        return nnx.merge_state(params, state)
+
+    def estimate(self, cluster: str | Cluster | None = None):
+        """The cost model's prediction of this plan's step (:class:`jscaler.Estimate`) on
+        ``cluster`` (default: the one given to ``parallelize``, else ``cpu``)."""
+        from jscaler.runtime.preflight import predict
+
+        return predict(
+            self.plan, cluster or self.cluster or "cpu", microbatches=self._m,
+            precision=self.precision, slots=self._optimizer_slots,
+        )  # fmt: skip
+
+    def timeline(self, path: str, cluster: str | Cluster | None = None):
+        """Writes the plan's step as a timeline, SIMULATED by the cost model on ``cluster``:
+        one lane per device, each op's forward and backward and the step's collectives, as
+        a Chrome trace (``.json``: open it in https://ui.perfetto.dev) or a PNG
+        (``.png``). Returns the :class:`jscaler.Estimate` it drew. For a measured trace,
+        run steps under ``jax.profiler.trace(dir)`` (``jscaler train --profile DIR``)."""
+        from jscaler.runtime.timeline import write_spmd_timeline
+
+        est = self.estimate(cluster)
+        write_spmd_timeline(self.plan, est, path, self.precision, self._m)
+        return est
 
     def value_and_grad(self, batch):
         """Loss and gathered gradients at the current parameters, without an update."""
+        self._for_batch(batch)
         if self._grad_fn is None:
             rep = NamedSharding(self._low.mesh, PartitionSpec())
             self._grad_fn = jax.jit(
@@ -229,6 +427,33 @@ def batch_leaves(batch, sig, shapes) -> list:
     return leaves
 
 
+def check_finite(loss: float, grad_norm: float, step: int) -> None:
+    """Raises :class:`NonFiniteLossError` for a NaN or infinite loss or gradient norm."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    what = "loss" if not math.isfinite(loss) else "gradient norm"
+    raise NonFiniteLossError(
+        f"step {step}: the {what} is {loss if what == 'loss' else grad_norm} (loss {loss}, "
+        f"gradient norm {grad_norm}); the update was not applied, the parameters are those "
+        f"after step {step - 1}. Lower the learning rate, clip gradients "
+        f"(optax.clip_by_global_norm), check the batch for NaNs, or compute in fp32",
+        step,
+    )
+
+
+def _gather(x):
+    """A global array as one host numpy array, whichever process holds its shards."""
+    if jax.process_count() > 1 and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _batch_key(leaves) -> tuple:
+    return tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
 def microbatches(x, m: int):
     """(B, ...) -> (B/m, m, ...): micro-batch j is rows j, j+m, j+2m, ... (local to each
     data-parallel shard, so splitting needs no communication)."""
@@ -236,5 +461,11 @@ def microbatches(x, m: int):
 
 
 def _place(leaves, shardings) -> list:
-    """Copies leaves onto their shardings (never aliasing the caller's buffers)."""
-    return [jax.device_put(jnp.array(x, copy=True), s) for x, s in zip(leaves, shardings)]
+    """Copies leaves onto their shardings (never aliasing the caller's buffers); a global
+    array already in its layout (``Trainer.global_batch``) is used as it is."""
+    return [
+        x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and x.sharding == s
+        else jax.device_put(jnp.array(x, copy=True), s)
+        for x, s in zip(leaves, shardings)
+    ]

@@ -1,0 +1,362 @@
+"""Checkpoints: saving a trainer's training state, and restoring it under any plan.
+
+The checkpoint of step N is the folder ``<directory>/<N>``, written by orbax-checkpoint:
+first under a temporary name, renamed once every array is on disk, so a folder with a plain
+step number is complete unless something damaged it later. It holds
+
+* ``arrays``: the parameters, the optimizer state's arrays and the model's non-parameter
+  state (BatchNorm statistics, RNG keys and counters), each at its global shape, written
+  shard by shard from wherever the trainer keeps it;
+* ``jscaler``: JSON metadata: format, jscaler version, plan, step, and the name, shape and
+  dtype of every array, so that restoring into another model fails with a message that
+  names the first array that differs.
+
+Parameters and optimizer state have the same global shapes under every plan, so a
+checkpoint restores under a different plan, device count or process count: orbax reads
+each array straight into the restoring trainer's own shardings.
+
+Every process of a multi-process run calls :func:`save` and :func:`restore` (through
+``trainer.save`` / ``trainer.restore``); orbax coordinates the writes.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Sharding
+
+from jscaler.errors import CheckpointError
+
+__all__ = ["latest_step", "restore", "save"]
+
+FORMAT = 1
+ARRAYS = "arrays"  # the orbax item holding every array
+META = "jscaler"  # the orbax item holding the JSON metadata
+GROUPS = ("params", "opt_state", "state")
+_TMP = ocp.path.step.TMP_DIR_SUFFIX  # orbax names a save in progress "<step><_TMP>..."
+
+# One saved array: (label, value, target sharding). The label is a parameter or state
+# variable's name, or an optimizer-state leaf's path; a sharding of None keeps a host copy.
+Slot = tuple[str, Any, Sharding | None]
+
+
+def save(trainer, directory: str | os.PathLike) -> Path:
+    """Writes ``trainer``'s training state to ``directory/<step>``; returns that path.
+
+    Returns once the checkpoint is complete on disk. The folder appears under its final
+    name only then (orbax writes to a temporary name and renames it), so a save killed
+    midway leaves no step folder, only a temporary one that :func:`restore` skips.
+
+    Args:
+      trainer: a :class:`Trainer` or :class:`PipelineTrainer`.
+      directory: the checkpoint folder (created if missing); each step gets a sub-folder.
+
+    Raises:
+      CheckpointError: ``directory/<step>`` exists already.
+    """
+    directory = Path(directory).absolute()
+    step = int(trainer.step_count)
+    final = directory / str(step)
+    if final.exists():
+        raise CheckpointError(
+            f"cannot save step {step} to {final}: that checkpoint exists already. Train "
+            f"further before saving again, or save to another directory"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    slots = _slots(trainer)
+    arrays = {
+        g: {_key(i): _storable(v) for i, (_, v, _) in enumerate(items)}
+        for g, items in slots.items()
+        if items
+    }
+    meta = {"format": FORMAT, "step": step, **_describe(trainer, slots)}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(
+            final,
+            ocp.args.Composite(
+                **{ARRAYS: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}
+            ),
+        )
+    return final
+
+
+def restore(trainer, directory: str | os.PathLike, step: int | None = None) -> int:
+    """Loads a checkpoint into ``trainer``, in its own layouts; returns the step loaded.
+
+    Without ``step``, loads the newest usable checkpoint: folders left by an interrupted
+    save, or whose metadata or arrays cannot be read, are skipped with a warning naming
+    them. The saving trainer's plan, device count and process count do not matter.
+
+    Args:
+      trainer: a :class:`Trainer` or :class:`PipelineTrainer` for the same model and
+        optimizer as the one that saved.
+      directory: the folder given to :func:`save`.
+      step: the step to load; ``None`` for the newest.
+
+    Raises:
+      CheckpointError: no usable checkpoint, the asked step is missing or damaged, or the
+        checkpoint's arrays do not fit the trainer's model and optimizer.
+    """
+    directory = Path(directory).absolute()
+    slots = _slots(trainer)
+    here = _describe(trainer, slots)
+    if step is not None:
+        path = directory / str(step)
+        meta, problem = _read_meta(path)
+        if problem:
+            raise CheckpointError(
+                f"cannot restore step {step} from {directory}: {problem}. Steps there: "
+                f"{[s for s, _ in _scan(directory)[0]] or 'none'}; restore "
+                f"one of them, or omit step= to load the newest"
+            )
+        candidates, skipped = [(step, meta)], []
+    else:
+        candidates, skipped = _scan(directory)
+        for problem in skipped:
+            warnings.warn(f"skipping checkpoint {problem}", stacklevel=3)
+    for s, meta in candidates:
+        path = directory / str(s)
+        _check_fits(path, meta, here)
+        try:
+            restored = _read_arrays(path, slots)
+        except Exception as e:  # tensorstore and orbax raise many kinds for damaged files
+            reason = f"its arrays cannot be read ({type(e).__name__}: {_first_line(e)})"
+            if step is not None:
+                raise CheckpointError(
+                    f"cannot restore step {step} from {path}: {reason}. Restore another "
+                    f"step, or omit step= to load the newest usable one"
+                ) from e
+            skipped.append(f"{path}: {reason}")
+            warnings.warn(f"skipping checkpoint {skipped[-1]}", stacklevel=3)
+            continue
+        _assign(trainer, restored, int(meta["step"]))
+        return s
+    found = "; ".join(skipped) if skipped else "no step folder"
+    raise CheckpointError(
+        f"no usable checkpoint in {directory}: expected step folders written by "
+        f"trainer.save(), found {found}. Check the path, or start from scratch"
+    )
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The newest complete step in ``directory``, or ``None``.
+
+    Complete: saved to the end, with readable metadata (the arrays themselves are read
+    only by :func:`restore`). Incomplete folders are skipped with a warning.
+    """
+    steps, skipped = _scan(Path(directory).absolute())
+    for problem in skipped:
+        warnings.warn(f"skipping checkpoint {problem}", stacklevel=2)
+    return steps[0][0] if steps else None
+
+
+# ---- what a trainer holds -------------------------------------------------------------
+
+
+def _slots(trainer) -> dict[str, list[Slot]]:
+    """Per group (``GROUPS``), the arrays to save and the shardings to restore them to.
+
+    A :class:`PipelineTrainer`'s truth is its master parameters (sharded over every
+    pipeline device) and host copies of the state; a :class:`Trainer`'s its stored arrays.
+    """
+    graph = trainer.graph
+    names = {
+        role: [graph.tensors[t].name for t in graph.inputs if graph.tensors[t].role == role]
+        for role in ("param", "state")
+    }
+    opt = jax.tree_util.tree_flatten_with_path(trainer._opt_state)[0]
+    opt_shard = jax.tree_util.tree_leaves(trainer._opt_shard)
+    opt_slots = [(jax.tree_util.keystr(p), v, s) for (p, v), s in zip(opt, opt_shard, strict=True)]
+    if _is_pipeline(trainer):
+        params = zip(trainer._master, trainer._master_shard)
+        state = [(trainer._state[t], None) for t in trainer._state_ids]
+    else:
+        params = zip(trainer._params, trainer._p_shard)
+        state = zip(trainer._state, trainer._s_shard)
+    return {
+        "params": [(n, v, s) for n, (v, s) in zip(names["param"], params, strict=True)],
+        "opt_state": opt_slots,
+        "state": [(n, v, s) for n, (v, s) in zip(names["state"], state, strict=True)],
+    }
+
+
+def _assign(trainer, restored: dict[str, list], step: int) -> None:
+    """Makes ``restored`` (per group, arrays in this trainer's layouts) its state."""
+    opt_def = jax.tree_util.tree_structure(trainer._opt_state)
+    trainer._opt_state = jax.tree_util.tree_unflatten(opt_def, restored["opt_state"])
+    if _is_pipeline(trainer):
+        master = restored["params"]
+        trainer._master = master
+        trainer._state = dict(zip(trainer._state_ids, restored["state"]))
+        handoff = trainer._handoff
+        # as after an update: every stage gets its parameters from the master copy
+        stacked = jax.jit(handoff.broadcast)(master)
+        trainer._stage_params = handoff.stage_params(master, stacked)
+        trainer._stage_state = [
+            [jax.device_put(trainer._state[t], st.sharding(t)) for t in st.state]
+            for st in trainer.stages
+        ]
+    else:
+        trainer._params = restored["params"]
+        trainer._state = restored["state"]
+    trainer.step_count = step
+
+
+def _is_pipeline(trainer) -> bool:
+    return hasattr(trainer, "_master")
+
+
+def _describe(trainer, slots: dict[str, list[Slot]]) -> dict:
+    """The metadata that must match between saving and restoring trainers, plus where it
+    came from."""
+    from jscaler import __version__
+
+    return {
+        "jscaler": __version__,
+        "plan": getattr(trainer.plan, "name", ""),
+        "devices": len(_devices(slots)),
+        "processes": jax.process_count(),
+        **{g: [[label, list(np.shape(v)), _dtype(v)] for label, v, _ in slots[g]] for g in GROUPS},
+    }
+
+
+def _devices(slots) -> set:
+    return {
+        d for items in slots.values() for _, _, s in items if s is not None for d in s.device_set
+    }
+
+
+# ---- checking a checkpoint against a trainer -------------------------------------------
+
+_WHAT = {"params": "parameter", "opt_state": "optimizer state leaf", "state": "state variable"}
+
+
+def _check_fits(path: Path, meta: dict, here: dict) -> None:
+    """Raises a CheckpointError naming the first array whose name, shape or dtype in the
+    checkpoint differs from this trainer's."""
+    for g in GROUPS:
+        theirs = {label: (shape, dtype) for label, shape, dtype in meta[g]}
+        ours = {label: (shape, dtype) for label, shape, dtype in here[g]}
+        for label in [x[0] for x in here[g]] + [x[0] for x in meta[g]]:
+            if theirs.get(label) == ours.get(label):
+                continue
+            t, o = theirs.get(label), ours.get(label)
+            found = "absent" if t is None else f"{_fmt(t)}"
+            expected = "absent" if o is None else f"{_fmt(o)}"
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this trainer: {_WHAT[g]} {label!r} is "
+                f"{found} in the checkpoint and {expected} here. Restore into the model and "
+                f"optimizer that saved it (plan, device and process count may differ), "
+                f"or save to a new directory"
+            )
+
+
+def _fmt(shape_dtype) -> str:
+    shape, dtype = shape_dtype
+    return f"{dtype}{list(shape)}"
+
+
+# ---- the folder ------------------------------------------------------------------------
+
+
+def _scan(directory: Path) -> tuple[list[tuple[int, dict]], list[str]]:
+    """(step, metadata) of every complete step folder, newest first; and, for every other
+    folder a save left, ``"<path>: <why it is unusable>"``."""
+    if not directory.is_dir():
+        return [], []
+    steps, skipped = [], []
+    for entry in sorted(directory.iterdir(), key=lambda p: p.name):
+        if _TMP in entry.name:
+            skipped.append(f"{entry}: an unfinished save (killed, or still running)")
+        elif entry.name.isdigit():
+            meta, problem = _read_meta(entry)
+            if problem:
+                skipped.append(f"{entry}: {problem}")
+            else:
+                steps.append((int(entry.name), meta))
+    return sorted(steps, key=lambda sm: -sm[0]), skipped
+
+
+def _read_meta(path: Path) -> tuple[dict | None, str | None]:
+    """The step folder's metadata, or why it is not a usable checkpoint."""
+    if not path.is_dir():
+        return None, "no such folder"
+    if not ocp.path.step.is_path_finalized(path):
+        return None, "an unfinished save"
+    if not (path / ARRAYS).is_dir():
+        return None, f"its {ARRAYS!r} folder is missing"
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            meta = ckptr.restore(path, ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    except Exception as e:  # a missing or garbled JSON file
+        return None, f"its metadata cannot be read ({type(e).__name__}: {_first_line(e)})"
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return None, f"its metadata is not jscaler checkpoint format {FORMAT}"
+    if meta.get("step") != int(path.name) or any(not isinstance(meta.get(g), list) for g in GROUPS):
+        return None, "its metadata is inconsistent"
+    return meta, None
+
+
+def _read_arrays(path: Path, slots: dict[str, list[Slot]]) -> dict[str, list]:
+    """The checkpoint's arrays, read into the slots' shardings (host arrays where None)."""
+    target = {
+        g: {_key(i): _abstract(v, s) for i, (_, v, s) in enumerate(items)}
+        for g, items in slots.items()
+        if items
+    }
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        got = ckptr.restore(path, ocp.args.Composite(**{ARRAYS: ocp.args.StandardRestore(target)}))
+    got = got[ARRAYS]
+    return {
+        g: [_from_storable(got[g][_key(i)], v, s) for i, (_, v, s) in enumerate(items)]
+        if items
+        else []
+        for g, items in slots.items()
+    }
+
+
+# ---- array conversions -----------------------------------------------------------------
+
+
+def _key(i: int) -> str:
+    return f"{i:05d}"
+
+
+def _is_key(v) -> bool:
+    return jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+
+
+def _dtype(v) -> str:
+    return str(v.dtype)
+
+
+def _storable(v):
+    """What orbax writes for ``v``: typed PRNG keys as their raw ``uint32`` data."""
+    return jax.random.key_data(v) if _is_key(v) else v
+
+
+def _abstract(v, sharding):
+    """The restore target for a slot holding ``v``."""
+    stored = jax.eval_shape(jax.random.key_data, v) if _is_key(v) else v
+    if sharding is None:
+        return np.empty(stored.shape, stored.dtype)  # read as a host array
+    return jax.ShapeDtypeStruct(stored.shape, stored.dtype, sharding=sharding)
+
+
+def _from_storable(x, like, sharding):
+    if _is_key(like):
+        x = jax.random.wrap_key_data(x, impl=jax.random.key_impl(like))
+        if sharding is not None:
+            x = jax.device_put(x, sharding)
+    return x
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""

@@ -1,0 +1,133 @@
+"""The loss of a ``parallelize_step`` step computed with its lowered plan.
+
+Inside the jitted step, :func:`jscaler.value_and_grad` hands its capture to a
+:class:`StepRunner`: the captured inputs (parameters, an nnx model's other variables, the
+traced values the loss closes over) are laid out as the plan stores them, the loss runs
+as ``Lowered.forward`` under JAX autodiff, and the gradients leave in the plan's gradient
+then update layouts, as :class:`jscaler.Trainer` lays them out. With micro-batches, the
+batch inputs are split on axis 0 (locally to each data-parallel shard) and scanned over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jscaler.compile.lower import Lowered
+from jscaler.errors import TraceError
+from jscaler.runtime.autodiff import Captured
+from jscaler.runtime.trainer import microbatches
+
+__all__ = ["Planned", "StepRunner"]
+
+
+@dataclass(frozen=True, eq=False)
+class Planned:
+    """What a step was planned with: the lowered plan, the micro-batch count, the loss
+    graph's input and output shapes (at micro-batch shape) and the roles of the values the
+    loss closes over (``batch``: split on axis 0; ``state``: whole)."""
+
+    low: Lowered
+    microbatches: int
+    in_avals: list
+    out_avals: list
+    extra_roles: list[str]
+    n_aux: int
+
+
+class StepRunner:
+    """The handler ``value_and_grad`` calls inside the jitted step (once per step)."""
+
+    def __init__(self, planned: Planned):
+        self.planned = planned
+        self.calls = 0
+
+    def __call__(self, cap: Captured):
+        self.calls += 1
+        if self.calls > 1:
+            raise TraceError(
+                "jscaler.value_and_grad was called twice in one step; parallelize_step plans "
+                "one loss per step: compute all loss terms in one function"
+            )
+        p, low, m = self.planned, self.planned.low, self.planned.microbatches
+        vals = [*cap.params, *cap.state, *cap.extras]
+        _check(p, cap, vals)
+        shard = low.input_shardings()
+        vals = [jax.lax.with_sharding_constraint(v, s) for v, s in zip(vals, shard)]
+        n_p, n_s = len(cap.params), len(cap.state)
+        params, state, extras = vals[:n_p], vals[n_p : n_p + n_s], vals[n_p + n_s :]
+        g = low.plan.pgraph.graph
+        ids = [t for t in g.inputs if g.tensors[t].role == "param"]
+        grad_sh = [low.sharding(low.grad[t]) for t in ids]
+        n_aux = p.n_aux
+
+        def one(params, state, extras):
+            outs = low.forward(*params, *state, *extras)
+            return outs[0], (list(outs[1 : 1 + n_aux]), list(outs[1 + n_aux :]))
+
+        vg = jax.value_and_grad(one, has_aux=True)
+
+        def reduce(gs):
+            return [jax.lax.with_sharding_constraint(x, s) for x, s in zip(gs, grad_sh)]
+
+        if m == 1:
+            (loss, (aux, state)), grads = vg(params, state, extras)
+            grads = reduce(grads)
+        else:
+            batch = [j for j, r in enumerate(p.extra_roles) if r == "batch"]
+            b_sh = shard[n_p + n_s :]
+            split = {j: microbatches(extras[j], m) for j in batch}
+
+            def body(carry, i):
+                loss_sum, g_sum, aux_sum, state = carry
+                mb = list(extras)
+                for j in batch:
+                    x = jax.lax.dynamic_index_in_dim(split[j], i, 1, keepdims=False)
+                    mb[j] = jax.lax.with_sharding_constraint(x, b_sh[j])
+                (loss, (aux, state)), grads = vg(params, state, mb)
+                grads = reduce(grads)
+                g_sum = [a + b for a, b in zip(g_sum, grads)]
+                aux_sum = [a + b for a, b in zip(aux_sum, aux)]
+                return (loss_sum + loss, g_sum, aux_sum, state), None
+
+            outs = p.out_avals
+            init = (
+                jnp.zeros((), outs[0].dtype),
+                reduce([jnp.zeros_like(x) for x in params]),
+                [jnp.zeros(a.shape, a.dtype) for a in outs[1 : 1 + n_aux]],
+                state,
+            )
+            (loss, grads, aux, state), _ = jax.lax.scan(body, init, jnp.arange(m))
+            loss, grads, aux = loss / m, [x / m for x in grads], [a / m for a in aux]
+        grads = [
+            jax.lax.with_sharding_constraint(x, low.sharding(low.update[t]))
+            for x, t in zip(grads, ids)
+        ]
+        cap.finish(state)
+        return cap.unflatten(loss, aux, grads)
+
+
+def _check(p: Planned, cap: Captured, vals) -> None:
+    """The values captured now are those planned (batch ones ``microbatches`` times as
+    many rows)."""
+    n_ps = len(cap.params) + len(cap.state)
+    if len(vals) != len(p.in_avals):
+        raise TraceError(
+            f"the loss reads {len(vals) - n_ps} traced values from the step when run but "
+            f"{len(p.in_avals) - n_ps} when it was planned; its closure must not depend on "
+            f"the batch size"
+        )
+    roles = ["param"] * n_ps + p.extra_roles
+    for k, (v, want, role) in enumerate(zip(vals, p.in_avals, roles)):
+        shape = tuple(want.shape)
+        if role == "batch":
+            shape = (shape[0] * p.microbatches, *shape[1:])
+        if tuple(v.shape) != shape or v.dtype != want.dtype:
+            what = "a parameter" if k < len(cap.params) else f"input {k - n_ps}"
+            raise TraceError(
+                f"the loss's {what} is {v.dtype}{list(v.shape)} when run but was planned as "
+                f"{want.dtype}{list(shape)}; values it closes over that come from the batch "
+                f"must keep the batch on axis 0"
+            )

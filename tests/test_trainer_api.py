@@ -1,0 +1,155 @@
+"""The Trainer's surface beyond step(): new batch shapes, eval, export, NaN, predicted OOM,
+timelines."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jscaler
+import models
+from jscaler.runtime.reference import compare, reference_steps, trainer_steps
+from models import gpt
+from spaces import megatron
+
+
+def test_a_new_batch_shape_replans_once_and_is_cached():
+    """16, 8, 16, 8 rows: the 8-row shape is planned and compiled once, then both are
+    reused; every step equals one device's."""
+    spec = models.get("mlp-tiny")
+    batches = [spec.batch(n, seed) for seed, n in enumerate([16, 8, 16, 8])]
+    want = reference_steps(spec.init(0), spec.loss, optax.sgd(0.1), batches)
+    trainer = jscaler.parallelize(
+        spec.init(0), spec.loss, optax.sgd(0.1), batches[0], devices=8, plan="dp"
+    )
+    calls = []
+    replan = trainer._replan
+    trainer._replan = lambda b: calls.append(1) or replan(b)
+    got = trainer_steps(trainer, batches)
+    mm = compare(got, want)
+    assert mm.ok, "\n".join(mm.lines)
+    assert len(calls) == 1
+    assert trainer.graph.inputs and trainer._batch_shapes[0].shape[0] == 8
+    assert len(trainer._variants) == 2
+
+
+def test_a_concrete_plan_with_another_batch_shape_is_a_clear_error():
+    spec = models.get("mlp-tiny")
+    graph = jscaler.trace(spec.loss, spec.init(0), spec.batch(16, 0))
+    plan = jscaler.data_parallel(graph, 8)
+    trainer = jscaler.parallelize(spec.init(0), spec.loss, optax.sgd(0.1), spec.batch(16, 0),
+                                  plan=plan)  # fmt: skip
+    with pytest.raises(jscaler.PlanError, match="a concrete Plan fixes the shapes"):
+        trainer.step(spec.batch(8, 0))
+
+
+@pytest.fixture(scope="module")
+def gpt_trainer():
+    model = gpt.GPT(gpt.tiny(), rngs=nnx.Rngs(0))
+    batch = gpt.synthetic_batch(gpt.tiny(), 8)
+    trainer = jscaler.parallelize(
+        model, gpt.loss, optax.sgd(0.1), batch, devices=8, plan=megatron(tp=2, dp=4),
+        microbatches=2,
+    )  # fmt: skip
+    trainer.step(batch)
+    return trainer
+
+
+def test_eval_is_the_loss_without_an_update(gpt_trainer):
+    batch = gpt.synthetic_batch(gpt.tiny(), 8, seed=5)
+    before = jax.tree_util.tree_leaves(gpt_trainer.params)
+    got = gpt_trainer.eval(batch)["loss"]
+    want = float(gpt.loss(gpt_trainer.model, batch))
+    assert got == pytest.approx(want, rel=1e-5)
+    after = jax.tree_util.tree_leaves(gpt_trainer.params)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_export_loads_into_the_users_model(gpt_trainer):
+    exported = gpt_trainer.export()
+    assert all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(exported))
+    model = gpt.GPT(gpt.tiny(), rngs=nnx.Rngs(1))  # other weights
+    nnx.update(model, exported)
+    batch = gpt.synthetic_batch(gpt.tiny(), 8, seed=6)
+    assert float(gpt.loss(model, batch)) == pytest.approx(gpt_trainer.eval(batch)["loss"], 1e-5)
+
+
+def test_a_nan_loss_stops_with_the_step_number_and_keeps_the_last_good_state():
+    spec = models.get("mlp-tiny")
+    trainer = jscaler.parallelize(spec.init(0), spec.loss, optax.adam(0.1), spec.batch(16, 0),
+                                  plan="dp")  # fmt: skip
+    trainer.step(spec.batch(16, 0))
+    params = jax.tree_util.tree_leaves(trainer.params)
+    bad = spec.batch(16, 1)
+    bad = jax.tree_util.tree_map(lambda x: x.at[3].set(jnp.nan), bad)
+    with pytest.raises(jscaler.NonFiniteLossError, match="step 2: the loss is nan") as err:
+        trainer.step(bad)
+    assert err.value.step == 2 and trainer.step_count == 1
+    assert all(
+        np.array_equal(a, b) for a, b in zip(params, jax.tree_util.tree_leaves(trainer.params))
+    )
+    assert np.isfinite(trainer.step(spec.batch(16, 2))["loss"])  # the optimizer state is intact
+
+
+def test_predicted_out_of_memory_is_refused_before_anything_runs():
+    tiny = dataclasses.replace(jscaler.CLUSTERS["cpu"], name="tiny", memory=64 * 2**10)
+    model = gpt.GPT(gpt.tiny(), rngs=nnx.Rngs(0))
+    batch = gpt.synthetic_batch(gpt.tiny(), 8)
+    with pytest.raises(jscaler.OutOfMemoryError) as err:
+        jscaler.parallelize(model, gpt.loss, optax.adam(1e-3), batch, devices=8,
+                            plan=megatron(tp=2, dp=4), cluster=tiny)  # fmt: skip
+    msg = str(err.value)
+    assert "GiB per device" in msg and "on tiny, which has 0.00 GiB" in msg
+    assert "optimizer" in msg and "plan='auto' with cluster=" in msg
+
+
+def test_spmd_timeline_as_a_chrome_trace_and_a_png(gpt_trainer, tmp_path):
+    est = gpt_trainer.timeline(tmp_path / "t.json")
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))
+    kinds = {e["cat"] for e in spans}
+    assert {"forward", "backward", "optimizer", "comm"} <= kinds
+    assert any("blocks/0" in e["args"]["module"] for e in spans)
+    assert {e["args"].get("microbatch") for e in spans if e["cat"] == "forward"} == {0, 1}
+    end = max(e["ts"] + e["dur"] for e in spans if e["cat"] != "comm")
+    assert end / 1e6 == pytest.approx(est.compute, rel=1e-6)  # the compute lane is the estimate's
+    gpt_trainer.timeline(tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(jscaler.PlanError, match="expected a .json"):
+        gpt_trainer.timeline(tmp_path / "t.svg")
+
+
+def test_pipeline_eval_export_and_timeline(tmp_path):
+    model = gpt.GPT(gpt.tiny(), rngs=nnx.Rngs(0))
+    batch = gpt.synthetic_batch(gpt.tiny(), 8)
+    trainer = jscaler.parallelize(model, gpt.loss, optax.sgd(0.1), batch, devices=8,
+                                  plan=megatron(pp=2, dp=4), microbatches=2)  # fmt: skip
+    want = float(gpt.loss(model, batch))
+    assert trainer.eval(batch)["loss"] == pytest.approx(want, rel=1e-5)
+    assert trainer.step_count == 0
+    fresh = gpt.GPT(gpt.tiny(), rngs=nnx.Rngs(3))
+    nnx.update(fresh, trainer.export())
+    assert float(gpt.loss(fresh, batch)) == pytest.approx(want, rel=1e-6)
+    est = trainer.timeline(tmp_path / "p.json")
+    spans = [e for e in json.loads((tmp_path / "p.json").read_text())["traceEvents"]
+             if e["ph"] == "X"]  # fmt: skip
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert len(spans) == 2 * 2 * 2  # F and B of 2 micro-batches on 2 stages
+    assert 0 < est.bubble < 1
+
+
+def test_a_plan_for_other_devices_is_refused_before_anything_runs():
+    model = gpt.GPT(gpt.tiny(), rngs=nnx.Rngs(0))
+    batch = gpt.synthetic_batch(gpt.tiny(), 8)
+    with pytest.raises(jscaler.PlanError, match="uses dp\\*tp\\*pp=16 devices; 8 were given"):
+        jscaler.parallelize(model, gpt.loss, optax.sgd(0.1), batch, devices=8,
+                            plan=megatron(tp=4, dp=4))  # fmt: skip
+    plan = megatron(tp=2, dp=4)(jscaler.trace(gpt.loss, model, batch), 8)
+    with pytest.raises(jscaler.AssignmentError, match="needs 8 devices .* but 4 were given"):
+        jscaler.parallelize(model, gpt.loss, optax.sgd(0.1), batch, devices=4, plan=plan)
