@@ -1,0 +1,63 @@
+"""The ``jscaler`` command: one module per sub-command, each with a ``register(sub)``.
+
+The only engine package that may import ``models/``, ``spaces/``, ``schedules/`` and
+``bench/``: it turns names on the command line into objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jscaler.cli import (
+    bench,
+    inspect_graph,
+    launch_cmd,
+    plan,
+    profile,
+    train,
+    verify,
+    viz,
+)
+from jscaler.cli.common import describe, parse_plan, parse_schedule
+
+__all__ = ["describe", "main", "parse_plan", "parse_schedule"]
+
+_COMMANDS = (inspect_graph, train, verify, plan, launch_cmd, bench, viz, profile)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jscaler",
+        description="Parallelise single-device Flax training with searched plans. "
+        "Run 'jscaler COMMAND --help' for a command's options.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in _COMMANDS:
+        command.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``jscaler ARGV``; returns the exit status (2 on a jscaler error)."""
+    args = _parser().parse_args(argv)
+    from jscaler._setup import enable_compilation_cache, init_distributed, use_cpu_devices
+
+    if args.command == "launch":
+        return launch_cmd.run(args)
+    if not init_distributed():
+        use_cpu_devices(args.devices or 8)
+    enable_compilation_cache()
+    from jscaler.errors import DistributedError, JscalerError
+
+    try:
+        return args.run(args)
+    except DistributedError as e:  # a peer is gone: skip jax's shutdown barrier, which
+        print(f"jscaler {args.command}: error: {e}", file=sys.stderr)  # would wait for it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+    except (JscalerError, KeyError) as e:
+        print(f"jscaler {args.command}: error: {e}", file=sys.stderr)
+        return 2

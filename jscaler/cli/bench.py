@@ -1,0 +1,173 @@
+"""``jscaler bench``: the benchmarks in ``bench/``."""
+
+from __future__ import annotations
+
+import json
+
+from jscaler.cli.common import add_devices, parse_plan
+
+
+def register(sub) -> None:
+    be = sub.add_parser(
+        "bench",
+        help="benchmarks: 'spmd' compares plans with plain JAX (memory, collectives, time); "
+        "'pipeline' compares pipeline schedules (simulated bubbles, MPMD vs SPMD step times); "
+        "'coshard' compares coshard's activation memory with plain tensor parallelism; "
+        "'cost' holds the cost model's memory and collective predictions to XLA's; "
+        "'order' times the op-order search with and without order rules; 'calibrate' "
+        "holds the simulated Megatron-LM baseline to published throughput; 'paper' "
+        "reproduces nnScaler's end-to-end table (SIMULATED)",
+        description="Run a benchmark and print its table. 'spmd': for one model on N "
+        "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
+        "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
+        "Megatron name rules and plain jax.jit data parallelism, with ratios. 'pipeline': "
+        "each schedule's simulated bubble beside (p-1)/(m+p-1), then SGD step times of the "
+        "MPMD pipeline runtime per schedule against the SPMD fast path (spmd_pipeline), "
+        "with the first-step loss of each. 'coshard': per plan (megatron and coshard at tp "
+        "2 and 4), XLA's temporaries and per-device memory, collective bytes and step "
+        "time, against plain Megatron at the same tp, and which coshard plans fit in the "
+        "memory of megatron at a higher tp. 'cost': per (model, plan), the cost model's "
+        "predicted per-device memory and collective bytes against XLA's memory_analysis() "
+        "and the compiled HLO, with the errors (--model/--plan narrow the cases). 'order': "
+        "the CP-SAT block scheduler under 1F1B's memory bound, free and with the paper's "
+        "order rules (tables 4, 7), for 3F1B and 1F1B at --pp stages. 'calibrate': "
+        "Megatron-LM's published GPT runs on A100s (Narayanan et al. 2021, table 1) "
+        "beside the cost model's prediction for the same shape, plan and GPU count. 'paper': "
+        "nnScaler's section 8.3 on the cost model: Swin, T5 and AlphaFold2 at 4-32 V100s of "
+        "DGX-2 and DGX-1, each system's best setting of a grid (--model and --devices narrow "
+        "it; 2 worker processes).",
+    )
+    be.add_argument(
+        "which",
+        choices=["spmd", "pipeline", "coshard", "cost", "order", "calibrate", "paper"],
+        help="the benchmark",
+    )
+    be.add_argument(
+        "--model",
+        default=None,
+        help="model (default gpt-small, 21M; pipeline: gpt-tiny; coshard: swin-bench)",
+    )
+    be.add_argument("--steps", type=int, default=3, help="timed steps per plan (default 3)")
+    be.add_argument("--pp", type=int, default=4, help="pipeline: stages (default 4)")
+    be.add_argument(
+        "--microbatches", type=int, default=None, help="pipeline: micro-batches (default pp)"
+    )
+    be.add_argument(
+        "--plan",
+        action="append",
+        default=None,
+        help="a plan expression to bench (repeatable; default: a standard set)",
+    )
+    be.add_argument("--json", action="store_true", help="print the rows as JSON")
+    add_devices(be)
+    be.set_defaults(run=_bench)
+
+
+def _bench(args) -> int:
+    if args.which == "pipeline":
+        return _bench_pipeline(args)
+    if args.which == "coshard":
+        return _bench_coshard(args)
+    if args.which == "cost":
+        return _bench_cost(args)
+    if args.which in ("calibrate", "order", "paper"):
+        import importlib
+
+        return importlib.import_module(f"bench.{args.which}").main(args)
+    from bench import spmd
+
+    n = args.devices or 8
+    args.model = args.model or "gpt-small"
+    plans = {expr: parse_plan(expr) for expr in args.plan} if args.plan else None
+    spec, rows = spmd.run(args.model, n, steps=args.steps, plans=plans)
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "plan": r.name,
+                        "memory_bytes": r.memory,
+                        "step_s": r.step_s,
+                        "predicted_bytes": r.predicted,
+                        "collectives": {
+                            k: {"count": c, "bytes": b} for k, (c, b) in r.comm.items()
+                        },
+                    }
+                    for r in rows
+                ],
+                indent=1,
+            )
+        )
+    else:
+        print(spmd.table(spec, rows, n))
+    return 0
+
+
+def _bench_cost(args) -> int:
+    import dataclasses
+
+    from bench import cost
+
+    cases = cost.default_cases()
+    if args.model:
+        cases = [c for c in cases if c[0] == args.model] or [(args.model, "dp")]
+    if args.plan:
+        models_ = sorted({m for m, _ in cases}, key=[m for m, _ in cases].index)
+        cases = [(m, expr) for m in models_ for expr in args.plan]
+    rows = cost.run(cases, args.devices or 8)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        return 0
+    print(
+        f"cost model vs XLA on {args.devices or 8} simulated devices: memory per device (MB) "
+        "and collective bytes per step (MB); err = predicted / measured - 1"
+    )
+    print("\n".join(cost.table(rows)))
+    return 0
+
+
+def _bench_coshard(args) -> int:
+    from bench import coshard
+
+    n = args.devices or 8
+    plans = None
+    if args.plan:  # each plan runs on its own tp devices
+        from jscaler.errors import PlanError
+
+        plans = {}
+        for expr in args.plan:
+            space = parse_plan(expr)
+            if not isinstance(getattr(space, "tp", None), int):
+                raise PlanError(f"--plan {expr!r}: bench coshard compares plans with a tp degree")
+            plans[expr] = (space.tp, space)
+    spec, rows, skipped = coshard.run(args.model or "swin-bench", n, steps=args.steps, plans=plans)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=1))
+    else:
+        print(coshard.table(spec, rows, skipped))
+    return 0
+
+
+def _bench_pipeline(args) -> int:
+    from dataclasses import asdict
+
+    from bench import pipeline
+
+    n = args.devices or 8
+    spec, bubbles, rows, skipped = pipeline.run(
+        args.model or "gpt-tiny", n, args.pp, args.microbatches, args.steps
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "bubbles": [asdict(b) | {"formula": b.formula} for b in bubbles],
+                    "steps": [asdict(r) for r in rows],
+                    "skipped": skipped,
+                },
+                indent=1,
+            )
+        )
+    else:
+        print(pipeline.table(spec, bubbles, rows, n, args.pp, skipped))
+    return 0

@@ -1,0 +1,194 @@
+"""Helpers the commands share: plan and schedule expressions, devices and pipeline
+flags, building a trainer for a reference model."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+
+__all__ = ["describe", "parse_plan", "parse_schedule"]
+
+
+def add_devices(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="number of devices (default: all; without an accelerator, that many simulated "
+        "CPU devices, 8 if not given)",
+    )
+
+
+def add_plan(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument(
+        "--plan",
+        default=default,
+        required=default is None,
+        help='a space call with literal arguments, e.g. "megatron(tp=2, dp=4)" or '
+        '"zero(stage=3)"; a bare name means its defaults; or the path of a plan JSON'
+        + (f" (default: {default})" if default else ""),
+    )
+
+
+def add_pipeline(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches per step: gradient accumulation, or the pipeline's micro-batches "
+        "(default: 1; 2*pp for a plan with pp > 1)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help="pipeline schedule for a plan with pp > 1: gpipe, one_f_one_b, "
+        "interleaved_1f1b, zero_bubble, three_f_one_b, interlaced, interlaced_head, "
+        "table4_1f1b, table7_3f1b; arguments as in "
+        '"interleaved_1f1b(chunks=2)" (default: the plan\'s own, else one_f_one_b)',
+    )
+
+
+def _parse_call(expr: str, flag: str, table: dict, error, expected: str):
+    """``(name, args, kwargs)`` of ``"name"`` or ``"name(literal, key=literal)"`` with
+    ``name`` in ``table``; args and kwargs are None for a bare name."""
+    try:
+        node = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise error(f"{flag} {expr!r} is not an expression: {e.msg}") from None
+    name = node.id if isinstance(node, ast.Name) else getattr(getattr(node, "func", None), "id", "")
+    if not isinstance(node, ast.Name | ast.Call) or name not in table:
+        raise error(f"{flag} {expr!r}: expected {expected}")
+    if isinstance(node, ast.Name):
+        return name, None, None
+    try:
+        args = [ast.literal_eval(a) for a in node.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except ValueError:
+        raise error(f"{flag} {expr!r}: arguments must be literals") from None
+    return name, args, kwargs
+
+
+def parse_plan(expr: str):
+    """A space from ``"megatron(tp=2, dp=4)"`` (literal arguments only), a bare space
+    name, or a plan JSON path (returned as the path)."""
+    import os
+
+    from jscaler.errors import PlanError
+    from jscaler.search import intra_op
+    from spaces import SPACES
+
+    if os.path.isfile(expr):
+        return expr
+    table = SPACES | {"intra_op": intra_op, "auto": intra_op}
+    expected = (
+        f'a call of one of {sorted(table)} such as "megatron(tp=2)", "auto" (searched), or '
+        f"a plan JSON path"
+    )
+    name, args, kwargs = _parse_call(expr, "--plan", table, PlanError, expected)
+    if args is None:
+        return table[name]()
+    try:
+        return table[name](*args, **kwargs)
+    except TypeError as e:
+        raise PlanError(f"--plan {expr!r}: {e}") from None
+
+
+def parse_schedule(expr: str | None):
+    """A schedule function ``(groups, microbatches) -> Schedule`` from ``"gpipe"`` or
+    ``"interleaved_1f1b(chunks=2)"`` (literal keyword arguments); None for the default."""
+    import functools
+
+    from jscaler.errors import ScheduleError
+    from schedules import SCHEDULES
+
+    if expr is None:
+        return None
+    expected = f"one of {sorted(SCHEDULES)}"
+    name, args, kwargs = _parse_call(expr, "--schedule", SCHEDULES, ScheduleError, expected)
+    if args is None:
+        return SCHEDULES[name]
+    if args:
+        raise ScheduleError(f"--schedule {expr!r}: pass arguments by keyword, e.g. chunks=2")
+    return functools.partial(SCHEDULES[name], **kwargs)
+
+
+def describe(trainer) -> str:
+    """``plan NAME on N devices (MESH)``, or for a pipeline its groups and schedule."""
+    plan = trainer.plan
+    if hasattr(plan, "mesh"):
+        return f"plan {plan.name} on {plan.mesh.size} devices ({plan.mesh})"
+    sched = trainer.schedule
+    groups = ", ".join(
+        f"{list(g.devices)[0]}-{list(g.devices)[-1]} ({g.plan.mesh})" for g in plan.groups
+    )
+    return (
+        f"plan {plan.name} on {len(plan.devices)} devices: {sched.stages} stages on groups "
+        f"{groups}; schedule {sched.name}, {sched.microbatches} micro-batches"
+    )
+
+
+def abstract_model(spec):
+    """The model with shapes only, so inspecting a 7B config allocates nothing."""
+    import jax
+
+    if spec.kind == "nnx":
+        from flax import nnx
+
+        return nnx.eval_shape(lambda: spec.init(0))
+    return jax.eval_shape(lambda: spec.init(0))
+
+
+def setup_trainer(args, optimizer):
+    import jscaler
+    import models
+
+    spec = models.get(args.model)
+    model = spec.init(0)
+    plan = parse_plan(args.plan)
+    pp = getattr(plan, "pp", 1)
+    microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
+    # a pipeline's micro-batches each get the model's default batch size unless told
+    default = spec.batch_size * (microbatches if pp > 1 else 1)
+    batch_size = getattr(args, "batch_size", None) or default
+    trainer = jscaler.parallelize(
+        model,
+        spec.loss,
+        optimizer,
+        spec.batch(batch_size, 0),
+        devices=args.devices,
+        plan=plan,
+        microbatches=microbatches,
+        schedule=parse_schedule(args.schedule),
+        cluster=getattr(args, "cluster", None),
+    )
+    return spec, model, trainer, batch_size
+
+
+def add_cluster(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="the machine the plan is for (dgx2_v100, dgx1_v100, a100_80g, h100_sxm, cpu): "
+        "the predicted memory per device is checked against its memory before anything "
+        "runs, and MFU is reported against its peak (default: no memory check on CPU; MFU "
+        "against the cpu preset)",
+    )
+
+
+def throughput(batch) -> tuple[int, int | None]:
+    """(samples, tokens) in a batch: samples are axis 0 of its first leaf; tokens its
+    first two axes when that leaf is an integer (token ids) array of rank 2, else None."""
+    import jax
+    import numpy as np
+
+    first = jax.tree_util.tree_leaves(batch)[0]
+    samples = int(first.shape[0])
+    is_tokens = first.ndim == 2 and np.issubdtype(first.dtype, np.integer)
+    return samples, samples * int(first.shape[1]) if is_tokens else None
+
+
+def plans_of(trainer) -> list:
+    plan = trainer.plan
+    if hasattr(plan, "groups"):
+        return list({id(g.plan): g.plan for g in plan.groups}.values())
+    return [plan]
