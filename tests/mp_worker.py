@@ -15,6 +15,9 @@ Modes:
   ``die0``: the same, but process 0 (the one hosting jax.distributed's coordinator) dies.
   ``local``: as ``agree``, but each process passes only its own rows of every batch
     (``Trainer.global_batch``, i.e. ``jax.make_array_from_process_local_data``).
+  ``restore``: parallelise under ``zero(stage=3)`` (parameters split across the
+    processes), restore the checkpoint in ``$JSCALER_TEST_CKPT`` (saved by one process on
+    8 devices under another plan) and train from its step.
   ``hang``: process 1 stops itself with SIGSTOP after its first step (alive but silent);
     only jax.distributed's heartbeat can stop the others.
 
@@ -38,18 +41,20 @@ def main(mode: str, steps: int) -> int:
 
     import jscaler
     import models
-    from spaces import megatron
+    from spaces import megatron, zero
 
     me = jax.process_index()
     spec = models.get("gpt-tiny")
     plan = megatron(tp=2) if mode == "disagree" and me == 1 else "dp"
+    plan = zero(stage=3) if mode == "restore" else plan
     batch_size = 2 * jax.device_count()
     victim = {"die": (1, signal.SIGKILL), "die0": (0, signal.SIGKILL), "hang": (1, signal.SIGSTOP)}
     try:
         trainer = jscaler.parallelize(
             spec.init(0), spec.loss, optax.sgd(0.1), spec.batch(batch_size, 0), plan=plan
         )
-        for step in range(steps):
+        first = trainer.restore(os.environ["JSCALER_TEST_CKPT"]) if mode == "restore" else 0
+        for step in range(first, first + steps):
             batch = spec.batch(batch_size, step)
             if mode == "local":  # only this process's rows leave this process's loader
                 rows = batch_size // jax.process_count()

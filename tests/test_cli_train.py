@@ -44,6 +44,11 @@ def test_a_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_p
     assert "step 2: the loss is inf" in proc.stderr
     assert f"last good checkpoint: {ck}/1" in proc.stderr
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["1"]
+    again = run("train", "--model", "mlp-tiny", "--steps", "1", "--checkpoint-dir", ck,
+                check=False)  # fmt: skip
+    assert again.returncode == 2 and "already holds step 1; add --resume" in again.stderr
+    done = run("train", "--model", "mlp-tiny", "--steps", "1", "--checkpoint-dir", ck, "--resume")
+    assert "nothing to do: the checkpoint is at step 1" in done.stdout
 
 
 def test_train_profile_and_the_profile_command(tmp_path):

@@ -121,6 +121,31 @@ def test_each_process_passing_only_its_rows_trains_as_the_global_batch():
     assert len(runs["agree"]) == 3 and runs["local"] == runs["agree"]
 
 
+def test_a_checkpoint_from_one_process_restores_across_two(tmp_path, monkeypatch):
+    """Saved by one process under megatron(tp=4, dp=2) on 8 devices; restored by two
+    processes of 2 devices under zero(stage=3) (parameters split across processes): the
+    next steps' losses equal the uninterrupted run's."""
+    import optax
+
+    import jscaler
+    import models
+    from spaces import megatron
+
+    spec = models.get("gpt-tiny")
+    trainer = jscaler.parallelize(spec.init(0), spec.loss, optax.sgd(0.1), spec.batch(8, 0),
+                                  devices=8, plan=megatron(tp=4, dp=2))  # fmt: skip
+    for step in range(2):
+        trainer.step(spec.batch(8, step))
+    trainer.save(tmp_path)
+    want = [trainer.step(spec.batch(8, step))["loss"] for step in (2, 3)]
+    monkeypatch.setenv("JSCALER_TEST_CKPT", str(tmp_path))
+    outs = [_finish(proc, log, timeout=180) for proc, log in _start_workers("restore", steps=2)]
+    for status, out in outs:
+        assert status == 0, out[-3000:]
+    got = [float(x) for x in re.findall(r"process 0 step [23] loss ([\d.]+)", outs[0][1])]
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
 @pytest.mark.parametrize(
     "mode", ["die", pytest.param("die0", marks=pytest.mark.slow)]
 )  # fmt: skip

@@ -153,3 +153,13 @@ def test_a_plan_for_other_devices_is_refused_before_anything_runs():
     plan = megatron(tp=2, dp=4)(jscaler.trace(gpt.loss, model, batch), 8)
     with pytest.raises(jscaler.AssignmentError, match="needs 8 devices .* but 4 were given"):
         jscaler.parallelize(model, gpt.loss, optax.sgd(0.1), batch, devices=4, plan=plan)
+
+
+def test_global_batch_in_one_process_is_the_batch_in_the_plans_layout(gpt_trainer):
+    batch = gpt.synthetic_batch(gpt.tiny(), 8, seed=7)
+    assert gpt_trainer.local_rows() == (0, 8) and gpt_trainer.local_rows(16) == (0, 16)
+    placed = gpt_trainer.global_batch(batch)
+    assert all(
+        x.sharding == s for x, s in zip(jax.tree_util.tree_leaves(placed), gpt_trainer._b_shard)
+    )
+    assert gpt_trainer.eval(placed)["loss"] == pytest.approx(gpt_trainer.eval(batch)["loss"], 1e-6)

@@ -85,7 +85,11 @@ def _plan_cmd(args) -> int:
         from spaces.grid import settings
 
         todo += settings(name, args.devices)
-    for expr, made in todo:
+    from tqdm import tqdm
+
+    bar = tqdm(todo, desc="plan", unit="plan", disable=args.json or len(todo) < 2, leave=False)
+    for expr, made in bar:
+        bar.set_postfix_str(expr)
         start = time.perf_counter()
         if made is not None:
             space = _for_cluster(made, expr, cluster, args.capacity and capacity)

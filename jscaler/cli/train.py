@@ -86,10 +86,18 @@ def _train(args) -> int:
     import optax
     from tqdm import tqdm
 
-    from jscaler.errors import NonFiniteLossError, PlanError
+    from jscaler.errors import CheckpointError, NonFiniteLossError, PlanError
 
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise PlanError("--checkpoint-every and --resume need --checkpoint-dir DIR")
+    if args.checkpoint_dir and not args.resume:
+        from jscaler.runtime.checkpoint import latest_step
+
+        if (found := latest_step(args.checkpoint_dir)) is not None:
+            raise CheckpointError(
+                f"--checkpoint-dir {args.checkpoint_dir} already holds step {found}; add "
+                f"--resume to continue from it, or name an empty directory"
+            )
     spec, _, trainer, batch_size = setup_trainer(args, optax.adam(args.lr))
     print(f"{spec.name}: {spec.description}")
     print(describe(trainer))
@@ -140,7 +148,8 @@ def _train(args) -> int:
                 done = step + 1
                 if args.checkpoint_every and done % args.checkpoint_every == 0:
                     saved = trainer.save(args.checkpoint_dir)
-            if args.checkpoint_dir and (saved is None or saved.name != str(trainer.step_count)):
+            unsaved = saved is None or saved.name != str(trainer.step_count)
+            if args.checkpoint_dir and trainer.step_count > start_step and unsaved:
                 saved = trainer.save(args.checkpoint_dir)
     except NonFiniteLossError as e:
         print(f"jscaler train: stopped: {e}", file=sys.stderr)

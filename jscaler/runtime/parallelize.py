@@ -113,8 +113,9 @@ def parallelize(
       A :class:`Trainer` (a :class:`PipelineTrainer` for a pipeline plan):
       ``trainer.step(batch)`` returns ``{"loss", "grad_norm"}``; ``eval(batch)`` the loss
       without an update; ``save(dir)`` / ``restore(dir)`` checkpoints; ``export()`` the
-      gathered parameters. A batch of another shape re-plans (from the space) and compiles
-      once more; each shape's step is cached.
+      gathered parameters. For an SPMD plan, a batch of another shape re-plans (from the
+      space) and compiles once more, and each shape's step is cached; a pipeline keeps
+      the example batch's shape.
 
     Raises:
       PlanError: the plan does not fit the graph or the devices, or the batch does not
@@ -163,7 +164,9 @@ def parallelize(
             est = predict(made, cluster or "cpu", microbatches=microbatches, schedule=sched,
                           precision=precision, slots=slots)  # fmt: skip
             check_memory(est, capacity, where)
-        return PipelineTrainer(graph, made, sched, devices, optimizer, model, shapes, precision)
+        trainer = PipelineTrainer(graph, made, sched, devices, optimizer, model, shapes, precision)
+        trainer.cluster, trainer.optimizer_slots = cluster, slots
+        return trainer
     if schedule is not None:
         raise PlanError(
             f"schedule= orders pipeline stages, but the plan {made.name or ''!r} has none; "

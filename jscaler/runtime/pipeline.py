@@ -19,6 +19,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -98,6 +99,8 @@ class PipelineTrainer:
         self._producer = {t: st.index for st in self._programs for t in st.acts_out}
         self.log = DriverLog()
         self.step_count = 0
+        self.cluster = None  # set by parallelize: the cluster= it was given
+        self.optimizer_slots = 0  # set by parallelize: the optimizer's per-parameter state
 
         p_leaves, s_leaves = self._sig.split(model_or_params)
         self._param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
@@ -280,9 +283,13 @@ class PipelineTrainer:
             g = [self._handoff.reduce(parts) for parts in contributions]
             grad_norm = optax.tree.norm(g)
             p_tree, g_tree = self._tree(master), self._tree(g)
-            updates, opt_state = self._optimizer.update(g_tree, opt_state, p_tree)
+            updates, new_opt = self._optimizer.update(g_tree, opt_state, p_tree)
             new = jax.tree_util.tree_leaves(optax.apply_updates(p_tree, updates))
-            return new, opt_state, grad_norm, self._handoff.broadcast(new)
+            # a NaN/inf gradient leaves everything as it was (step() raises)
+            ok = jnp.isfinite(grad_norm)
+            keep = lambda a, b: jax.tree_util.tree_map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
+            new, new_opt = keep(new, master), keep(new_opt, opt_state)
+            return new, new_opt, grad_norm, self._handoff.broadcast(new)
 
         return jax.jit(
             update,
@@ -295,7 +302,8 @@ class PipelineTrainer:
         """One training step: ``{"loss", "grad_norm"}`` (loss before the update).
 
         Raises:
-          NonFiniteLossError: the loss is NaN or infinite; the update was not applied.
+          NonFiniteLossError: the loss or a gradient is NaN or infinite; the update was
+            not applied (a NaN loss is caught before the update runs).
         """
         loss, grads = self._run(batch)
         check_finite(float(loss), 0.0, self.step_count + 1)
@@ -305,8 +313,10 @@ class PipelineTrainer:
             self._master, self._opt_state, self._handoff.gradients(grads)
         )
         self._stage_params = self._handoff.stage_params(self._master, stacked)
+        gnorm = float(np.asarray(gnorm.addressable_data(0)))
+        check_finite(float(loss), gnorm, self.step_count + 1)
         self.step_count += 1
-        return {"loss": loss, "grad_norm": float(np.asarray(gnorm.addressable_data(0)))}
+        return {"loss": float(loss), "grad_norm": gnorm}
 
     def value_and_grad(self, batch):
         """Loss and gathered gradients at the current parameters, without an update."""
@@ -322,9 +332,14 @@ class PipelineTrainer:
 
     def export(self):
         """The trained model as plain host arrays gathered from every device and process:
-        an ``nnx.State`` for an nnx model (``nnx.update(model, trainer.export())``), else
-        the params pytree."""
-        return self.params
+        for an nnx model an ``nnx.State`` of all its variables (``nnx.update(model,
+        trainer.export())``), else the params pytree."""
+        if self._sig.kind != "nnx":
+            return self.params
+        state = [self._state[t] for t in self._state_ids]
+        return nnx.merge_state(
+            self.params, jax.tree_util.tree_unflatten(self._sig.state_def, state)
+        )
 
     def estimate(self, cluster=None):
         """The cost model's prediction of this pipeline's step (:class:`jscaler.Estimate`)
@@ -332,8 +347,8 @@ class PipelineTrainer:
         from jscaler.runtime.preflight import predict
 
         return predict(
-            self.pplan, cluster or "cpu", microbatches=self._m, schedule=self.schedule,
-            precision=self.precision,
+            self.pplan, cluster or self.cluster or "cpu", microbatches=self._m,
+            schedule=self.schedule, precision=self.precision, slots=self.optimizer_slots,
         )  # fmt: skip
 
     def timeline(self, path: str, cluster=None):

@@ -40,6 +40,7 @@ from jscaler.plan.pipeline import PipelinePlan
 from jscaler.plan.plan import Plan
 from jscaler.plan.validate import validate
 from jscaler.runtime.autodiff import Captured, handling, key_names
+from jscaler.runtime.distributed import check_plan_agreement
 from jscaler.runtime.parallelize import resolve_devices, resolve_plan
 from jscaler.runtime.step_run import Planned, StepRunner
 
@@ -197,6 +198,7 @@ class ParallelStep:
                 f"pipelines, or a plan without pp"
             )
         validate(plan, n_devices=len(devices))
+        check_plan_agreement(plan, None, devices)  # multi-process: all run the same plan
         low = lower(plan, devices)
         roles = [graph.tensors[t].role for t in graph.inputs][len(cap.params) + len(cap.state) :]
         planned = Planned(low, self._m, cap.avals(), cap.out_avals(), roles, cap.n_aux)

@@ -149,7 +149,7 @@ class Trainer:
     def params(self):
         """The current parameters, gathered to full arrays: an nnx model's Params State,
         your params pytree, or linen variables' ``"params"`` collection."""
-        return self._tree([jax.device_get(p) for p in self._params])
+        return self._tree([_gather(p) for p in self._params])
 
     def shardings(self):
         """The NamedSharding each parameter is stored with, in the parameters' structure."""
@@ -163,7 +163,8 @@ class Trainer:
                 "model is for nnx models; use .params for a params pytree, .variables for "
                 "linen variables (has_aux=True)"
             )
-        state = jax.tree_util.tree_unflatten(self._sig.state_def, list(self._state))
+        state = [_gather(s) for s in self._state]
+        state = jax.tree_util.tree_unflatten(self._sig.state_def, state)
         return nnx.merge(self._graphdef, self.params, state)
 
     @property
@@ -171,7 +172,7 @@ class Trainer:
         """For linen variables (``has_aux=True``): ``{"params": ..., <collection>: ...}``
         with the current parameters and collections (``.params`` is the ``"params"``
         tree alone)."""
-        return self._sig.variables(self.params, [jax.device_get(s) for s in self._state])
+        return self._sig.variables(self.params, [_gather(s) for s in self._state])
 
     # ---- checkpoints ------------------------------------------------------------------
 
@@ -260,7 +261,8 @@ class Trainer:
         )
 
     def _put_batch(self, batch) -> list:
-        return _place(batch_leaves(batch, self._sig, self._batch_shapes), self._b_shard)
+        leaves = batch_leaves(batch, self._sig, self._batch_shapes)
+        return [jax.device_put(x, sh) for x, sh in zip(leaves, self._b_shard)]  # not donated
 
     def compiled(self, batch):
         """The compiled training step for this batch: ``.as_text()`` shows the collectives
@@ -305,35 +307,50 @@ class Trainer:
     def global_batch(self, local_batch):
         """The global batch, in the plan's batch layout, from this process's rows.
 
-        In a multi-process run each process loads only its own rows: process ``i`` of
-        ``P`` passes rows ``i*B/P ... (i+1)*B/P`` of the global batch of ``B`` rows (the
-        rows its devices hold under the plan), and
-        ``jax.make_array_from_process_local_data`` assembles the global arrays without
-        any process seeing the others' data. In one process it is the batch itself.
+        In a multi-process run each process loads only the rows its own devices hold
+        under the plan (:meth:`local_rows`: process ``i`` of ``P`` gets rows ``i*B/P ...
+        (i+1)*B/P`` of a batch of ``B`` rows under every space whose outer mesh axis is
+        ``dp``), and ``jax.make_array_from_process_local_data`` assembles the global arrays
+        without any process reading the others' data. In one process it is the batch.
 
         Example::
 
-            local = load_rows(jax.process_index(), jax.process_count())
-            trainer.step(trainer.global_batch(local))
+            start, stop = trainer.local_rows(global_batch_size)
+            trainer.step(trainer.global_batch(load_rows(start, stop)))
+
+        Raises:
+          PlanError: the plan does not split the batch across processes (``megatron(tp=8)``
+            over two hosts replicates it: pass the whole batch), or the rows do not fit.
         """
         leaves, tdef = jax.tree_util.tree_flatten(local_batch)
         if len(leaves) != len(self._b_shard):
             raise PlanError(
                 f"the local batch has {len(leaves)} leaves; the trainer was made for "
-                f"{len(self._b_shard)}"
+                f"{len(self._b_shard)}: pass this process's rows of a batch of the same "
+                f"structure as the example batch"
             )
         n = jax.process_count()
+        full = [jax.ShapeDtypeStruct((x.shape[0] * n, *x.shape[1:]), x.dtype) for x in leaves]
+        self._for_batch(full)  # a new shape plans its own layouts first
         out = []
         for i, (x, sh, want) in enumerate(zip(leaves, self._b_shard, self._batch_shapes)):
-            shape = (x.shape[0] * n, *x.shape[1:])
-            if shape != tuple(want.shape):
+            start, stop = _rows(sh, tuple(want.shape), self.plan.name)
+            if x.shape[0] != stop - start:
                 raise PlanError(
-                    f"local batch leaf {i} has shape {tuple(x.shape)}: times {n} processes "
-                    f"that is {shape}, but the trainer was made for {tuple(want.shape)}; "
-                    f"each process passes its {want.shape[0] // n} rows"
+                    f"local batch leaf {i} has {x.shape[0]} rows; under the plan "
+                    f"{self.plan.name!r} this process holds rows {start}:{stop} of "
+                    f"{want.shape[0]} (see trainer.local_rows)"
                 )
-            out.append(jax.make_array_from_process_local_data(sh, np.asarray(x), shape))
+            out.append(jax.make_array_from_process_local_data(sh, np.asarray(x), want.shape))
         return jax.tree_util.tree_unflatten(tdef, out)
+
+    def local_rows(self, batch_size: int | None = None) -> tuple[int, int]:
+        """``(start, stop)``: the rows of a global batch of ``batch_size`` rows (default the
+        example batch's) that this process's devices hold under the plan."""
+        want = tuple(self._batch_shapes[0].shape)
+        if batch_size is not None:
+            want = (batch_size, *want[1:])
+        return _rows(self._b_shard[0], want, self.plan.name)
 
     def eval(self, batch) -> dict[str, float]:
         """The loss on ``batch`` at the current parameters, without an update (the forward
@@ -409,7 +426,7 @@ class Trainer:
                 out_shardings=(rep, [self._low.sharding(lay) for lay in self._grad_layouts]),
             )
         loss, grads = self._grad_fn(self._params, self._state, self._put_batch(batch))
-        return float(loss), self._tree([jax.device_get(g) for g in grads])
+        return float(loss), self._tree([_gather(g) for g in grads])
 
 
 def batch_leaves(batch, sig, shapes) -> list:
@@ -441,8 +458,36 @@ def check_finite(loss: float, grad_norm: float, step: int) -> None:
     )
 
 
+def _rows(sharding, shape: tuple, plan: str) -> tuple[int, int]:
+    """The contiguous block of rows this process's devices hold of an array of ``shape``
+    laid out by ``sharding``; a PlanError when the rows are replicated across processes
+    or not one block."""
+    spans = {
+        idx[0].indices(shape[0])[:2]
+        for idx in sharding.addressable_devices_indices_map(shape).values()
+    }
+    start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+    covered = sum(b - a for a, b in spans)
+    if jax.process_count() > 1 and stop - start == shape[0]:
+        raise PlanError(
+            f"the plan {plan!r} does not split the batch across processes (every process "
+            f"holds all {shape[0]} rows); pass the whole batch to step(), or use a plan "
+            f"whose outer mesh axis is data parallel"
+        )
+    if covered < stop - start and len(spans) > 1:
+        raise PlanError(
+            f"under the plan {plan!r} this process holds rows {sorted(spans)} of "
+            f"{shape[0]}, not one block; pass the whole batch to step()"
+        )
+    return start, stop
+
+
 def _gather(x):
-    """A global array as one host numpy array, whichever process holds its shards."""
+    """A global array as one host numpy array, whichever process holds its shards (a
+    PRNG key array stays a key array, gathered through its key data)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _gather(jax.random.key_data(x))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     if jax.process_count() > 1 and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
 
@@ -451,7 +496,7 @@ def _gather(x):
 
 
 def _batch_key(leaves) -> tuple:
-    return tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    return tuple((tuple(x.shape), str(jax.dtypes.canonicalize_dtype(x.dtype))) for x in leaves)
 
 
 def microbatches(x, m: int):
@@ -461,11 +506,5 @@ def microbatches(x, m: int):
 
 
 def _place(leaves, shardings) -> list:
-    """Copies leaves onto their shardings (never aliasing the caller's buffers); a global
-    array already in its layout (``Trainer.global_batch``) is used as it is."""
-    return [
-        x
-        if isinstance(x, jax.Array) and not x.is_fully_addressable and x.sharding == s
-        else jax.device_put(jnp.array(x, copy=True), s)
-        for x, s in zip(leaves, shardings)
-    ]
+    """Copies leaves onto their shardings (never aliasing the caller's buffers)."""
+    return [jax.device_put(jnp.array(x, copy=True), s) for x, s in zip(leaves, shardings)]
