@@ -207,9 +207,9 @@ def test_two_losses_in_one_step_are_a_clear_error():
         jscaler.parallelize_step(step, devices=8)(linen_state(), batches()[0])
 
 
-def test_pipelines_and_indivisible_microbatches_are_clear_errors():
-    with pytest.raises(jscaler.PlanError, match="pipeline.*jscaler.parallelize"):
-        jscaler.parallelize_step(train_step, plan=megatron(pp=2), devices=8)(
+def test_indivisible_microbatches_and_a_schedule_without_pipeline_are_clear_errors():
+    with pytest.raises(jscaler.PlanError, match="schedule= orders pipeline stages"):
+        jscaler.parallelize_step(train_step, devices=8, schedule=object())(
             linen_state(), batches()[0]
         )
     with pytest.raises(jscaler.PlanError, match="split into 3 micro-batches"):

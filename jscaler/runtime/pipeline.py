@@ -67,56 +67,15 @@ class PipelineTrainer:
         batch_shapes: list[jax.ShapeDtypeStruct],
         precision: str = "fp32",
     ):
-        if len(schedule.groups) != len(pplan.groups):
-            raise ScheduleError(
-                f"schedule {schedule.name!r} runs on {len(schedule.groups)} device groups; "
-                f"the plan {pplan.name!r} has {len(pplan.groups)}"
-            )
-        if len(graph.outputs) != 1:
-            raise PlanError(
-                "pipelines train models without mutable state (the loss function updates "
-                f"{len(graph.outputs) - 1} state variable(s)); use a plan without pp"
-            )
-        schedule.check()
-        self.graph = graph
-        self.pplan = pplan
-        self.plan = pplan  # what tables and the CLI print
-        self.schedule = schedule
+        self._build(graph, pplan, schedule, devices)
         self.precision = precision
-        self._m = schedule.microbatches
-        self._sig = graph.signature
         self._optimizer = optimizer
         self._batch_shapes = batch_shapes
         self._graphdef = self._sig.graphdef if self._sig.kind == "nnx" else None
-        lowered = [lower(g.plan, [devices[d] for d in g.devices]) for g in pplan.groups]
-        pass_of = pass_of_ops(graph, schedule.passes)
-        stage_of = stage_of_ops(graph, schedule.stages, pplan.cuts, pass_of)
-        dtypes = {t: graph.tensors[t].dtype for t in graph.inputs}
-        # one program set per (pass, stage); the last pass's are the stages proper
-        self._programs = build_stages(lowered, schedule.placement, stage_of, dtypes, pass_of)
-        self.stages: list[Stage] = self._programs[-schedule.stages :]
-        self._order = [b for rnd in schedule.order() for b in rnd]
-        self._producer = {t: st.index for st in self._programs for t in st.acts_out}
-        self.log = DriverLog()
         self.step_count = 0
         self.cluster = None  # set by parallelize: the cluster= it was given
         self.optimizer_slots = 0  # set by parallelize: the optimizer's per-parameter state
-
         p_leaves, s_leaves = self._sig.split(model_or_params)
-        self._param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
-        self._state_ids = [t for t in graph.inputs if graph.tensors[t].role == "state"]
-        self._batch_ids = [t for t in graph.inputs if graph.tensors[t].role == "batch"]
-        read = {t for st in self.stages for t in st.params}
-        unused = [graph.tensors[t].name for t in self._param_ids if t not in read]
-        if unused:
-            raise PlanError(f"parameter {unused[0]!r} is read by no stage")
-        # the update runs on every pipeline device (see jscaler.runtime.handoff)
-        shapes = [graph.tensors[t].shape for t in self._param_ids]
-        self._handoff = handoff_for(
-            self.stages, devices, pplan, self._param_ids, shapes, stacked=_multi_process()
-        )
-        self._rep = self._handoff.rep
-        self._master_shard = self._handoff.master
         self._master = [
             jax.device_put(np.array(x), s) for x, s in zip(p_leaves, self._master_shard)
         ]
@@ -140,6 +99,51 @@ class PipelineTrainer:
             [jax.device_put(self._state[t], st.sharding(t)) for t in st.state] for st in self.stages
         ]
         self._update_fn = None
+
+    def _build(self, graph: Graph, pplan: PipelinePlan, schedule: Schedule, devices: list):
+        """The stage programs, the driver's order and the handoff to the update mesh (no
+        parameters yet: ``_stage_params`` and ``_stage_state`` are set by the caller)."""
+        if len(schedule.groups) != len(pplan.groups):
+            raise ScheduleError(
+                f"schedule {schedule.name!r} runs on {len(schedule.groups)} device groups; "
+                f"the plan {pplan.name!r} has {len(pplan.groups)}"
+            )
+        if len(graph.outputs) != 1:
+            raise PlanError(
+                "pipelines train models without mutable state (the loss function updates "
+                f"{len(graph.outputs) - 1} state variable(s)); use a plan without pp"
+            )
+        schedule.check()
+        self.graph = graph
+        self.pplan = pplan
+        self.plan = pplan  # what tables and the CLI print
+        self.schedule = schedule
+        self._m = schedule.microbatches
+        self._sig = graph.signature
+        lowered = [lower(g.plan, [devices[d] for d in g.devices]) for g in pplan.groups]
+        pass_of = pass_of_ops(graph, schedule.passes)
+        stage_of = stage_of_ops(graph, schedule.stages, pplan.cuts, pass_of)
+        dtypes = {t: graph.tensors[t].dtype for t in graph.inputs}
+        # one program set per (pass, stage); the last pass's are the stages proper
+        self._programs = build_stages(lowered, schedule.placement, stage_of, dtypes, pass_of)
+        self.stages: list[Stage] = self._programs[-schedule.stages :]
+        self._order = [b for rnd in schedule.order() for b in rnd]
+        self._producer = {t: st.index for st in self._programs for t in st.acts_out}
+        self.log = DriverLog()
+        self._param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
+        self._state_ids = [t for t in graph.inputs if graph.tensors[t].role == "state"]
+        self._batch_ids = [t for t in graph.inputs if graph.tensors[t].role == "batch"]
+        read = {t for st in self.stages for t in st.params}
+        unused = [graph.tensors[t].name for t in self._param_ids if t not in read]
+        if unused:
+            raise PlanError(f"parameter {unused[0]!r} is read by no stage")
+        # the update runs on every pipeline device (see jscaler.runtime.handoff)
+        shapes = [graph.tensors[t].shape for t in self._param_ids]
+        self._handoff = handoff_for(
+            self.stages, devices, pplan, self._param_ids, shapes, stacked=_multi_process()
+        )
+        self._rep = self._handoff.rep
+        self._master_shard = self._handoff.master
 
     # ---- trees --------------------------------------------------------------------------
 

@@ -16,6 +16,9 @@ which marks the loss. Once per new argument structure and shape the wrapper
    new state leaves in the layouts it came in (same path, shape and dtype).
 
 nnx Modules and Optimizers passed as arguments are updated in place, as ``nnx.jit`` does.
+
+A pipeline plan cannot run as one program; :mod:`jscaler.runtime.step_pipeline` splits
+the step at ``value_and_grad`` instead (Alpa's two-part step).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def parallelize_step(
     plan="dp",
     devices=None,
     microbatches: int = 1,
+    schedule=None,
     batch_argnum: int = -1,
     donate: bool = True,
 ):
@@ -74,17 +78,27 @@ def parallelize_step(
     compiled once per new argument structure and shapes, then runs as one jitted SPMD
     program.
 
+    Under a pipeline plan (``megatron(pp=2, dp=4)``) the step runs in two parts, as Alpa
+    splits it: the loss and its gradients on the pipeline's stages, ``microbatches``
+    micro-batches walked by ``schedule``, outside jit; then the whole step in one jit over
+    every pipeline device, with ``value_and_grad`` returning those loss and gradients, so
+    the update is the step's own. Parameters and optimizer state stay split over every
+    pipeline device (each stage receives its parameters from them every step).
+
     Args:
       fn: ``step(*args)``; ``args[batch_argnum]`` is the batch (each leaf split on axis 0),
         the others the training state: a ``flax.training.train_state.TrainState`` (return
         the new one), or an nnx Module and ``nnx.Optimizer`` (updated in place).
       plan: a space (``spaces.megatron(tp=2, dp=4)``), a :class:`Plan`, a plan's JSON
-        path, ``"dp"`` (default) or ``"auto"``, applied to the graph of the loss. Pipeline
-        plans need :func:`jscaler.parallelize`.
+        path, ``"dp"`` (default) or ``"auto"``, applied to the graph of the loss; a
+        pipeline plan (``megatron(pp=2)``) as above.
       devices: None (all), an int (the first N of ``jax.devices()``), or a list.
       microbatches: gradient accumulation inside ``value_and_grad``: the batch values the
         loss closes over are split on axis 0 and their gradients summed (loss and
-        floating aux averaged).
+        floating aux averaged); a pipeline's micro-batches.
+      schedule: for a pipeline plan, a function ``(groups, microbatches) -> Schedule``
+        from ``schedules`` or a :class:`Schedule` (default the plan's own, else
+        ``one_f_one_b``), as :func:`jscaler.parallelize` takes it.
       batch_argnum: which positional argument is the batch (default the last).
       donate: donate the state arguments' buffers (the arrays passed in are consumed).
 
@@ -93,7 +107,9 @@ def parallelize_step(
 
     Constraints: the loss is found by its one ``value_and_grad`` call per step, made at
     the step's top level (not inside ``jax.lax.scan``/``vmap`` or your own ``jax.jit``);
-    values it closes over that come from the batch keep the batch on axis 0.
+    values it closes over that come from the batch keep the batch on axis 0. Under a
+    pipeline, the loss may not update model state (an nnx model's non-parameter
+    variables: BatchNorm statistics) nor return aux; both raise :class:`PlanError`.
 
     Example::
 
@@ -111,7 +127,7 @@ def parallelize_step(
         raise PlanError(f"microbatches must be a positive int, got {microbatches!r}")
 
     def wrap(f):
-        return ParallelStep(f, plan, devices, microbatches, batch_argnum, donate)
+        return ParallelStep(f, plan, devices, microbatches, schedule, batch_argnum, donate)
 
     return wrap if fn is None else wrap(fn)
 
@@ -123,6 +139,14 @@ class _Compiled:
     in_shardings: tuple
     mutable: tuple[tuple[int, int, int, Any], ...]  # (arg, first leaf, end leaf, treedef)
 
+    @property
+    def plan(self) -> Plan:
+        return self.planned.low.plan
+
+    def run(self, placed: list):
+        """(the step's result, the nnx objects' new leaves) from the placed leaves."""
+        return self.jitted(*placed)
+
 
 class ParallelStep:
     """A train step run under a plan. Made by :func:`parallelize_step`.
@@ -131,12 +155,13 @@ class ParallelStep:
       compiles: how many argument signatures have been traced, planned and compiled.
     """
 
-    def __init__(self, fn, plan, devices, microbatches, batch_argnum, donate):
+    def __init__(self, fn, plan, devices, microbatches, schedule, batch_argnum, donate):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._space = plan
         self._devices_arg = devices
         self._m = microbatches
+        self._schedule = schedule
         self._batch_argnum = batch_argnum
         self._donate = donate
         self._cache: dict = {}
@@ -150,14 +175,14 @@ class ParallelStep:
             )
         leaves, entry = self._entry(args)
         placed = [_place(x, s) for x, s in zip(leaves, entry.in_shardings)]
-        out, new = entry.jitted(*placed)
+        out, new = entry.run(placed)
         for i, start, end, sub in entry.mutable:  # nnx objects: updated in place
             nnx.update(args[i], nnx.state(jax.tree_util.tree_unflatten(sub, new[start:end])))
         return out
 
-    def plan(self, *args) -> Plan:
+    def plan(self, *args) -> Plan | PipelinePlan:
         """The validated plan the step runs for these arguments (traced if new)."""
-        return self._entry(args)[1].planned.low.plan
+        return self._entry(args)[1].plan
 
     def _entry(self, args):
         """The arguments' leaves and the program for their structure and shapes."""
@@ -191,11 +216,20 @@ class ParallelStep:
         micro = self._micro(full, owner, bi, paths)
         cap, graph, src, out_shape = self._trace(tdef, micro, owner, bi, paths)
         plan = resolve_plan(self._space, graph, len(devices))
-        if isinstance(plan, PipelinePlan):
+        mut_args, mutated, mutable = _mutables(args, owner)
+        if self._m > 1:  # the results at the full batch's shape
+            out_shape = _record(self._fn, tdef, full, owner, bi)[3]
+        if isinstance(plan, PipelinePlan):  # Alpa's two-part step (see step_pipeline)
+            from jscaler.runtime.step_pipeline import compile_pipeline
+
+            return compile_pipeline(
+                self, plan, devices, cap, graph, src, tdef, full, paths, owner, bi,
+                out_shape, (mut_args, mutated, mutable),
+            )  # fmt: skip
+        if self._schedule is not None:
             raise PlanError(
-                f"parallelize_step runs SPMD plans; the plan {plan.name or ''!r} is a pipeline. "
-                f"Use jscaler.parallelize(model, loss_fn, optimizer, batch, plan=...) for "
-                f"pipelines, or a plan without pp"
+                f"schedule= orders pipeline stages, but the plan {plan.name or ''!r} has none; "
+                f"use a plan with pp > 1 (e.g. megatron(pp=2)) or drop schedule="
             )
         validate(plan, n_devices=len(devices))
         check_plan_agreement(plan, None, devices)  # multi-process: all run the same plan
@@ -203,28 +237,9 @@ class ParallelStep:
         roles = [graph.tensors[t].role for t in graph.inputs][len(cap.params) + len(cap.state) :]
         planned = Planned(low, self._m, cap.avals(), cap.out_avals(), roles, cap.n_aux)
         in_sh = _in_shardings(low, cap, src, micro, paths, owner, bi)
-        if self._m > 1:  # the results at the full batch's shape
-            out_shape = _record(self._fn, tdef, full, owner, bi)[3]
-        out_sh, returned = _out_shardings(low, cap, out_shape, paths, full, in_sh)
-        # nnx objects are mutated in place: their leaves come back as a second result
-        mut_args = [i for i, a in enumerate(args) if isinstance(a, nnx.Pytree)]
-        mutated = [k for k in range(len(full)) if owner[k] in mut_args]
-        mutable, at = [], 0
-        for i in mut_args:
-            n = owner.count(i)
-            mutable.append((i, at, at + n, jax.tree_util.tree_structure(args[i])))
-            at += n
-        fn = self._fn
-
-        def pure(*leaves):
-            a = jax.tree_util.tree_unflatten(tdef, leaves)
-            runner = StepRunner(planned)
-            with handling(runner):
-                out = fn(*a)
-            if runner.calls == 0:
-                raise TraceError(_NOT_CALLED)
-            return out, [x for i in mut_args for x in jax.tree_util.tree_leaves(a[i])]
-
+        rep = NamedSharding(low.mesh, PartitionSpec())
+        out_sh, returned = _out_shardings(_followers(low, cap), rep, out_shape, paths, full, in_sh)
+        pure = _pure(self._fn, tdef, len(full), mut_args, lambda: StepRunner(planned))
         # donate what comes back (the state returned, nnx objects), never the batch
         donated = [k for k in sorted(returned | set(mutated)) if owner[k] != bi]
         jitted = jax.jit(
@@ -272,6 +287,36 @@ class ParallelStep:
                 _arg_name(self._fn, owner[k], paths[k]) if k is not None else f"closure/{j}"
             )
         return cap, _graph(cap, roles, names), src, out_shape
+
+
+def _mutables(args, owner):
+    """nnx objects are mutated in place: their leaves come back as a second result.
+    Returns the arguments that are, their leaves' indices, and per argument (arg, first
+    leaf, end leaf in that second result, treedef)."""
+    mut_args = [i for i, a in enumerate(args) if isinstance(a, nnx.Pytree)]
+    mutated = [k for k in range(len(owner)) if owner[k] in mut_args]
+    mutable, at = [], 0
+    for i in mut_args:
+        n = owner.count(i)
+        mutable.append((i, at, at + n, jax.tree_util.tree_structure(args[i])))
+        at += n
+    return mut_args, mutated, tuple(mutable)
+
+
+def _pure(fn, tdef, n_leaves: int, mut_args, make_handler):
+    """The step as a function of its leaves (then ``make_handler``'s arguments): returns
+    its result and the nnx objects' leaves; ``value_and_grad`` calls the handler."""
+
+    def pure(*flat):
+        a = jax.tree_util.tree_unflatten(tdef, flat[:n_leaves])
+        handler = make_handler(*flat[n_leaves:])
+        with handling(handler):
+            out = fn(*a)
+        if handler.calls == 0:
+            raise TraceError(_NOT_CALLED)
+        return out, [x for i in mut_args for x in jax.tree_util.tree_leaves(a[i])]
+
+    return pure
 
 
 class _Recorder:
@@ -374,14 +419,13 @@ def _in_shardings(low: Lowered, cap: Captured, src, micro, paths, owner, bi) -> 
     return out
 
 
-def _out_shardings(low: Lowered, cap: Captured, out_shape, arg_paths, full, in_sh):
+def _out_shardings(follow: dict, rep, out_shape, arg_paths, full, in_sh):
     """A result at an argument's path (after the first step: ``(new_state, metrics)``
     returns the state at ``[0]``, as it came in) with its shape and dtype keeps that
-    argument's layout; other results follow a parameter's update layout or replicate.
-    Returns the shardings and the argument leaves returned so."""
-    rep = NamedSharding(low.mesh, PartitionSpec())
+    argument's layout; other results follow a parameter's update layout (``follow``, see
+    :func:`_follow`) or replicate. Returns the shardings and the argument leaves returned
+    so."""
     by_path = {tuple(key_names(p[1:])): k for k, p in enumerate(arg_paths)}
-    follow = _followers(low, cap)
     pairs, tdef = jax.tree_util.tree_flatten_with_path(out_shape)
     shardings, returned = [], set()
     for path, s in pairs:
@@ -405,6 +449,9 @@ def _followers(low: Lowered, cap: Captured) -> dict:
 
 
 def _follow(follow: dict, path, s, default):
+    """The layout of the parameter whose path ends ``path`` with ``s``'s shape (an
+    optimizer state leaf's), else ``default``; ``follow``: parameter path -> (shape,
+    sharding)."""
     names = key_names(path)
     for start in range(len(names)):
         hit = follow.get(tuple(names[start:]))

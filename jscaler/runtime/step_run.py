@@ -20,7 +20,7 @@ from jscaler.errors import TraceError
 from jscaler.runtime.autodiff import Captured
 from jscaler.runtime.trainer import microbatches
 
-__all__ = ["Planned", "StepRunner"]
+__all__ = ["Planned", "StepRunner", "check_captured"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,7 +53,7 @@ class StepRunner:
             )
         p, low, m = self.planned, self.planned.low, self.planned.microbatches
         vals = [*cap.params, *cap.state, *cap.extras]
-        _check(p, cap, vals)
+        check_captured(p.in_avals, p.extra_roles, m, cap, vals)
         shard = low.input_shardings()
         vals = [jax.lax.with_sharding_constraint(v, s) for v, s in zip(vals, shard)]
         n_p, n_s = len(cap.params), len(cap.state)
@@ -109,21 +109,21 @@ class StepRunner:
         return cap.unflatten(loss, aux, grads)
 
 
-def _check(p: Planned, cap: Captured, vals) -> None:
-    """The values captured now are those planned (batch ones ``microbatches`` times as
-    many rows)."""
+def check_captured(in_avals, extra_roles, microbatches: int, cap: Captured, vals) -> None:
+    """The values captured now are those planned (``in_avals``; the ``batch`` ones
+    ``microbatches`` times as many rows)."""
     n_ps = len(cap.params) + len(cap.state)
-    if len(vals) != len(p.in_avals):
+    if len(vals) != len(in_avals):
         raise TraceError(
             f"the loss reads {len(vals) - n_ps} traced values from the step when run but "
-            f"{len(p.in_avals) - n_ps} when it was planned; its closure must not depend on "
+            f"{len(in_avals) - n_ps} when it was planned; its closure must not depend on "
             f"the batch size"
         )
-    roles = ["param"] * n_ps + p.extra_roles
-    for k, (v, want, role) in enumerate(zip(vals, p.in_avals, roles)):
+    roles = ["param"] * n_ps + extra_roles
+    for k, (v, want, role) in enumerate(zip(vals, in_avals, roles)):
         shape = tuple(want.shape)
         if role == "batch":
-            shape = (shape[0] * p.microbatches, *shape[1:])
+            shape = (shape[0] * microbatches, *shape[1:])
         if tuple(v.shape) != shape or v.dtype != want.dtype:
             what = "a parameter" if k < len(cap.params) else f"input {k - n_ps}"
             raise TraceError(
