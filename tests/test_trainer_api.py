@@ -163,3 +163,19 @@ def test_global_batch_in_one_process_is_the_batch_in_the_plans_layout(gpt_traine
         x.sharding == s for x, s in zip(jax.tree_util.tree_leaves(placed), gpt_trainer._b_shard)
     )
     assert gpt_trainer.eval(placed)["loss"] == pytest.approx(gpt_trainer.eval(batch)["loss"], 1e-6)
+
+
+def test_a_pipeline_replans_for_a_new_batch_shape_once():
+    cfg = gpt.tiny()
+    batches = [gpt.synthetic_batch(cfg, n, seed=s) for s, n in enumerate([8, 16, 8, 16])]
+    make = lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    sgd = optax.sgd(0.1, momentum=0.9)  # state that must follow the parameters; not Adam
+    want = reference_steps(make(), gpt.loss, sgd, batches)
+    trainer = jscaler.parallelize(make(), gpt.loss, sgd, batches[0], devices=8,
+                                  plan=megatron(pp=2, dp=4), microbatches=2)  # fmt: skip
+    calls = []
+    replan = trainer._replan
+    trainer._replan = lambda b: calls.append(1) or replan(b)
+    mm = compare(trainer_steps(trainer, batches), want)
+    assert mm.ok, "\n".join(mm.lines)
+    assert len(calls) == 1 and len(trainer._variants) == 2

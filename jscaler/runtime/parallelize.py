@@ -113,9 +113,8 @@ def parallelize(
       A :class:`Trainer` (a :class:`PipelineTrainer` for a pipeline plan):
       ``trainer.step(batch)`` returns ``{"loss", "grad_norm"}``; ``eval(batch)`` the loss
       without an update; ``save(dir)`` / ``restore(dir)`` checkpoints; ``export()`` the
-      gathered parameters. For an SPMD plan, a batch of another shape re-plans (from the
-      space) and compiles once more, and each shape's step is cached; a pipeline keeps
-      the example batch's shape.
+      gathered parameters. A batch of another shape re-plans (from the space) and compiles
+      once more; each shape's step is cached.
 
     Raises:
       PlanError: the plan does not fit the graph or the devices, or the batch does not
@@ -157,14 +156,33 @@ def parallelize(
     capacity = cluster.memory if cluster is not None else device_capacity(devices)
     where = cluster.name if cluster is not None else f"{devices[0].device_kind} devices"
     if isinstance(made, PipelinePlan):
-        made.validate(len(devices))
-        sched = resolve_schedule(schedule, made, microbatches)
-        check_plan_agreement(made, sched, devices)  # multi-process: all run the same plan
-        if capacity:
-            est = predict(made, cluster or "cpu", microbatches=microbatches, schedule=sched,
-                          precision=precision, slots=slots)  # fmt: skip
-            check_memory(est, capacity, where)
-        trainer = PipelineTrainer(graph, made, sched, devices, optimizer, model, shapes, precision)
+
+        def pipeline_for(graph, made):
+            made.validate(len(devices))
+            sched = resolve_schedule(schedule, made, microbatches)
+            check_plan_agreement(made, sched, devices)  # multi-process: all run the same plan
+            if capacity:
+                est = predict(made, cluster or "cpu", microbatches=microbatches,
+                              schedule=sched, precision=precision, slots=slots)  # fmt: skip
+                check_memory(est, capacity, where)
+            return sched
+
+        def replan_pipeline(batch):
+            """A new shape: trace and plan again (a concrete plan was made for one shape)."""
+            if isinstance(plan, PipelinePlan):
+                raise PlanError(
+                    f"the plan {plan.name!r} was made for batch shapes "
+                    f"{[tuple(s.shape) for s in shapes]}; a concrete PipelinePlan fixes the "
+                    f"shapes, so pass a space (e.g. megatron(pp=2)) to re-plan for new shapes"
+                )
+            new_graph, new_plan, new_shapes = build(batch)
+            return new_graph, new_plan, pipeline_for(new_graph, new_plan), new_shapes
+
+        sched = pipeline_for(graph, made)
+        trainer = PipelineTrainer(
+            graph, made, sched, devices, optimizer, model, shapes, precision,
+            replan=replan_pipeline,
+        )  # fmt: skip
         trainer.cluster, trainer.optimizer_slots = cluster, slots
         return trainer
     if schedule is not None:

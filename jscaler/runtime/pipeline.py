@@ -35,7 +35,7 @@ from jscaler.runtime import checkpoint
 from jscaler.runtime.distributed import peer_failures_as_errors
 from jscaler.runtime.handoff import handoff_for
 from jscaler.runtime.stages import Stage, build_stages
-from jscaler.runtime.trainer import batch_leaves, check_finite, microbatches
+from jscaler.runtime.trainer import batch_key, batch_leaves, check_finite, microbatches
 
 __all__ = ["DriverLog", "PipelineTrainer"]
 
@@ -66,8 +66,14 @@ class PipelineTrainer:
         model_or_params,
         batch_shapes: list[jax.ShapeDtypeStruct],
         precision: str = "fp32",
+        *,
+        replan=None,
     ):
         self._build(graph, pplan, schedule, devices)
+        self._devices = devices
+        self._replan = replan
+        self._variants: dict = {}
+        self._key = batch_key(batch_shapes)
         self.precision = precision
         self._optimizer = optimizer
         self._batch_shapes = batch_shapes
@@ -144,6 +150,44 @@ class PipelineTrainer:
         )
         self._rep = self._handoff.rep
         self._master_shard = self._handoff.master
+
+    _BUILT = (
+        "graph", "pplan", "plan", "schedule", "_m", "_sig", "_programs", "stages", "_order",
+        "_producer", "log", "_param_ids", "_state_ids", "_batch_ids", "_handoff", "_rep",
+        "_master_shard", "_batch_shapes", "_update_fn",
+    )  # fmt: skip
+
+    def _for_batch(self, batch) -> None:
+        """Switches to the stages for this batch's shapes: a new shape is planned (from the
+        space given to ``parallelize``) and built once, then cached; the master parameters
+        and optimizer state move to its update layout if it differs, and every stage gets
+        its parameters from them."""
+        leaves = jax.tree_util.tree_leaves(batch)
+        key = batch_key(leaves)
+        if key == self._key or self._replan is None or len(leaves) != len(self._batch_ids):
+            return  # same shape, or batch_leaves explains the mismatch
+        self._variants[self._key] = {a: getattr(self, a) for a in self._BUILT}
+        attrs = self._variants.get(key)
+        if attrs is None:
+            graph, pplan, schedule, shapes = self._replan(batch)
+            self._build(graph, pplan, schedule, self._devices)
+            self._batch_shapes, self._update_fn = shapes, None
+        else:
+            for a, v in attrs.items():
+                setattr(self, a, v)
+        self._key = key
+        self._master = [jax.device_put(x, s) for x, s in zip(self._master, self._master_shard)]
+        opt_shard = optax.tree_map_params(
+            self._optimizer, lambda _, s: s, self._opt_state,
+            self._tree(self._master_shard), transform_non_params=lambda _: self._rep,
+        )  # fmt: skip
+        self._opt_shard = opt_shard
+        self._opt_state = jax.device_put(self._opt_state, opt_shard)
+        stacked = jax.jit(self._handoff.broadcast)(self._master)
+        self._stage_params = self._handoff.stage_params(self._master, stacked)
+        self._stage_state = [
+            [jax.device_put(self._state[t], st.sharding(t)) for t in st.state] for st in self.stages
+        ]
 
     # ---- trees --------------------------------------------------------------------------
 
@@ -309,6 +353,7 @@ class PipelineTrainer:
           NonFiniteLossError: the loss or a gradient is NaN or infinite; the update was
             not applied (a NaN loss is caught before the update runs).
         """
+        self._for_batch(batch)
         loss, grads = self._run(batch)
         check_finite(float(loss), 0.0, self.step_count + 1)
         if self._update_fn is None:
@@ -324,6 +369,7 @@ class PipelineTrainer:
 
     def value_and_grad(self, batch):
         """Loss and gathered gradients at the current parameters, without an update."""
+        self._for_batch(batch)
         loss, grads = self._run(batch)
         total = [self._handoff.gathered(parts) for parts in self._handoff.gradients(grads)]
         return loss, self._tree(total)
@@ -331,6 +377,7 @@ class PipelineTrainer:
     def eval(self, batch) -> dict[str, float]:
         """The loss on ``batch`` at the current parameters, without an update (the
         schedule runs, its gradients are dropped): ``{"loss"}``."""
+        self._for_batch(batch)
         loss, _ = self._run(batch)
         return {"loss": float(loss)}
 

@@ -69,7 +69,7 @@ class Trainer:
         self._master_dtypes = [x.dtype for x in p_leaves]
         self._variants: dict = {}
         self._key = None
-        self._use(_batch_key(batch_shapes), self._layouts(graph, lowered, batch_shapes))
+        self._use(batch_key(batch_shapes), self._layouts(graph, lowered, batch_shapes))
         self._params = _place(p_leaves, self._p_shard)
         self._state = _place(s_leaves, self._s_shard)
         params_tree = self._tree(self._params)
@@ -126,7 +126,7 @@ class Trainer:
         space given to ``parallelize``), lowered and compiled once, then cached; the
         parameters and optimizer state move to its layouts if they differ."""
         leaves = jax.tree_util.tree_leaves(batch)
-        key = _batch_key(leaves)
+        key = batch_key(leaves)
         if key == self._key or self._replan is None or len(leaves) != len(self._b_shard):
             return  # same shape, or batch_leaves explains the mismatch
         attrs = self._variants.get(key)
@@ -495,7 +495,8 @@ def _gather(x):
     return np.asarray(jax.device_get(x))
 
 
-def _batch_key(leaves) -> tuple:
+def batch_key(leaves) -> tuple:
+    """What identifies a batch's compiled step: each leaf's shape and canonical dtype."""
     return tuple((tuple(x.shape), str(jax.dtypes.canonicalize_dtype(x.dtype))) for x in leaves)
 
 
