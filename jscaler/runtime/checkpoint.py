@@ -33,7 +33,24 @@ from jax.sharding import Sharding
 
 from jscaler.errors import CheckpointError
 
-__all__ = ["latest_step", "restore", "save"]
+__all__ = ["Checkpointable", "latest_step", "restore", "save"]
+
+
+class Checkpointable:
+    """``save`` / ``restore`` for :class:`Trainer` and :class:`PipelineTrainer` (both
+    delegate to this module's functions)."""
+
+    def save(self, directory) -> Path:
+        """Saves parameters, optimizer state, model state and step count to
+        ``directory/<step>`` atomically; returns that path once it is on disk. See
+        :mod:`jscaler.runtime.checkpoint`."""
+        return save(self, directory)
+
+    def restore(self, directory, step: int | None = None) -> int:
+        """Loads the newest usable checkpoint in ``directory`` (or ``step``) into this
+        trainer's layouts, whatever plan or device count saved it; returns its step."""
+        return restore(self, directory, step)
+
 
 FORMAT = 1
 ARRAYS = "arrays"  # the orbax item holding every array

@@ -15,7 +15,6 @@ update each stage receives its parameters back in its storage layout.
 
 from __future__ import annotations
 
-import pathlib
 from dataclasses import dataclass, field
 
 import jax
@@ -31,7 +30,7 @@ from jscaler.errors import PlanError, ScheduleError
 from jscaler.ir.graph import Graph
 from jscaler.plan.pipeline import PipelinePlan, pass_of_ops, stage_of_ops
 from jscaler.plan.schedule import Block, Schedule
-from jscaler.runtime import checkpoint
+from jscaler.runtime.checkpoint import Checkpointable
 from jscaler.runtime.distributed import peer_failures_as_errors
 from jscaler.runtime.handoff import handoff_for
 from jscaler.runtime.stages import Stage, build_stages
@@ -49,7 +48,7 @@ class DriverLog:
     in_flight: list[int] = field(default_factory=list)
 
 
-class PipelineTrainer:
+class PipelineTrainer(Checkpointable):
     """Trains a model under a pipeline plan and schedule. Made by :func:`jscaler.parallelize`.
 
     Same interface as :class:`Trainer`: ``step``, ``value_and_grad``, ``params``,
@@ -310,19 +309,6 @@ class PipelineTrainer:
                 add_grads(st, d_params)
         self.log = log
         return self._handoff.scalar(_sum(losses)) / m, grads
-
-    # ---- checkpoints ------------------------------------------------------------------
-
-    def save(self, directory) -> pathlib.Path:
-        """Saves parameters, optimizer state, model state and step count to
-        ``directory/<step>`` atomically; returns that path once it is on disk. See
-        :mod:`jscaler.runtime.checkpoint`."""
-        return checkpoint.save(self, directory)
-
-    def restore(self, directory, step: int | None = None) -> int:
-        """Loads the newest usable checkpoint in ``directory`` (or ``step``) into this
-        trainer's layouts, whatever plan or device count saved it; returns its step."""
-        return checkpoint.restore(self, directory, step)
 
     # ---- the update ---------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from jscaler.runtime.step import (
     _pure,
     _Recorder,
 )
-from jscaler.runtime.step_run import check_captured
+from jscaler.runtime.step_run import check_captured, once_per_step
 from jscaler.runtime.trainer import microbatches
 
 __all__ = ["compile_pipeline"]
@@ -89,12 +89,7 @@ class _Given:
         self.calls = 0
 
     def __call__(self, cap: Captured):
-        self.calls += 1
-        if self.calls > 1:
-            raise TraceError(
-                "jscaler.value_and_grad was called twice in one step; parallelize_step plans "
-                "one loss per step: compute all loss terms in one function"
-            )
+        self.calls = once_per_step(self.calls)
         h = self.handoff
         grads = [
             jax.lax.with_sharding_constraint(h.reduce(parts).astype(p.dtype), sh)

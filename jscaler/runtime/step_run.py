@@ -37,6 +37,16 @@ class Planned:
     n_aux: int
 
 
+def once_per_step(calls: int) -> int:
+    """``calls + 1``; a TraceError on a second ``value_and_grad`` call in one step."""
+    if calls:
+        raise TraceError(
+            "jscaler.value_and_grad was called twice in one step; parallelize_step plans "
+            "one loss per step: compute all loss terms in one function"
+        )
+    return calls + 1
+
+
 class StepRunner:
     """The handler ``value_and_grad`` calls inside the jitted step (once per step)."""
 
@@ -45,12 +55,7 @@ class StepRunner:
         self.calls = 0
 
     def __call__(self, cap: Captured):
-        self.calls += 1
-        if self.calls > 1:
-            raise TraceError(
-                "jscaler.value_and_grad was called twice in one step; parallelize_step plans "
-                "one loss per step: compute all loss terms in one function"
-            )
+        self.calls = once_per_step(self.calls)
         p, low, m = self.planned, self.planned.low, self.planned.microbatches
         vals = [*cap.params, *cap.state, *cap.extras]
         check_captured(p.in_avals, p.extra_roles, m, cap, vals)

@@ -9,7 +9,6 @@ parameters in their storage layout. ZeRO-1/2/3 are these layouts, not separate c
 from __future__ import annotations
 
 import math
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -24,13 +23,13 @@ from jscaler.compile.lower import Lowered
 from jscaler.cost.cluster import Cluster
 from jscaler.errors import NonFiniteLossError, PlanError
 from jscaler.ir.graph import Graph
-from jscaler.runtime import checkpoint
+from jscaler.runtime.checkpoint import Checkpointable
 from jscaler.runtime.distributed import peer_failures_as_errors
 
 __all__ = ["Trainer"]
 
 
-class Trainer:
+class Trainer(Checkpointable):
     """Trains a model under a plan. Made by :func:`jscaler.parallelize`.
 
     Attributes:
@@ -173,19 +172,6 @@ class Trainer:
         with the current parameters and collections (``.params`` is the ``"params"``
         tree alone)."""
         return self._sig.variables(self.params, [_gather(s) for s in self._state])
-
-    # ---- checkpoints ------------------------------------------------------------------
-
-    def save(self, directory) -> pathlib.Path:
-        """Saves parameters, optimizer state, model state and step count to
-        ``directory/<step>`` atomically; returns that path once it is on disk. See
-        :mod:`jscaler.runtime.checkpoint`."""
-        return checkpoint.save(self, directory)
-
-    def restore(self, directory, step: int | None = None) -> int:
-        """Loads the newest usable checkpoint in ``directory`` (or ``step``) into this
-        trainer's layouts, whatever plan or device count saved it; returns its step."""
-        return checkpoint.restore(self, directory, step)
 
     # ---- the step --------------------------------------------------------------------
 
