@@ -18,7 +18,7 @@ from flax import nnx
 
 from models import convnet, gpt, mlp, recycler
 
-__all__ = ["ModelSpec", "UnknownModelError", "get", "names"]
+__all__ = ["ModelSpec", "UnknownModelError", "from_factory", "get", "names"]
 
 
 @dataclass(frozen=True)
@@ -155,13 +155,85 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def from_factory(expr: str) -> ModelSpec:
+    """A model of your own: ``"package.module:factory"`` or ``"path/to/file.py:factory"``.
+
+    ``factory()`` returns ``(model_or_params, loss, batch)``: an nnx Module or a params
+    pytree, ``loss(model_or_params, batch) -> scalar``, and an example batch (every step
+    of a synthetic run reuses it). The module is imported with the working directory on
+    ``sys.path``, as ``python -m`` would.
+
+    Raises:
+        UnknownModelError: the module or the factory cannot be found, or the factory does
+            not return the three parts.
+    """
+    import importlib.util
+    import os
+    import sys
+
+    module_name, _, fn_name = expr.rpartition(":")
+    if not module_name or not fn_name:
+        raise UnknownModelError(
+            f"--model {expr!r}: expected a registered name or 'package.module:factory' / "
+            f"'file.py:factory'; known names: {', '.join(names())}"
+        )
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(
+                os.path.basename(module_name)[:-3], module_name
+            )
+            if spec is None or not os.path.isfile(module_name):
+                raise FileNotFoundError(module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except (ImportError, FileNotFoundError) as e:
+        raise UnknownModelError(f"--model {expr!r}: cannot import {module_name!r} ({e})") from None
+    factory = getattr(module, fn_name, None)
+    if not callable(factory):
+        raise UnknownModelError(f"--model {expr!r}: {module_name} has no function {fn_name!r}")
+    built = factory()
+    if not isinstance(built, tuple) or len(built) != 3 or not callable(built[1]):
+        raise UnknownModelError(
+            f"--model {expr!r}: {fn_name}() must return (model_or_params, loss, batch); it "
+            f"returned {type(built).__name__}"
+        )
+    model, loss, example = built
+    import jax
+
+    size = int(jax.tree_util.tree_leaves(example)[0].shape[0])
+
+    def batch(n, seed):
+        if n != size:
+            raise UnknownModelError(
+                f"--model {expr!r} comes with a batch of {size} rows; got --batch-size {n}"
+            )
+        return example
+
+    return ModelSpec(
+        name=expr,
+        kind="nnx" if isinstance(model, nnx.Module) else "params",
+        init=lambda seed: model,
+        loss=loss,
+        batch=batch,
+        batch_size=size,
+        description=f"{fn_name} from {module_name}",
+    )
+
+
 def get(name: str) -> ModelSpec:
-    """The :class:`ModelSpec` registered as ``name``.
+    """The :class:`ModelSpec` registered as ``name``, or a factory's (:func:`from_factory`)
+    for ``"module:factory"``.
 
     Raises:
         UnknownModelError: (a ``KeyError``) when ``name`` is not registered; the message
             lists the known names.
     """
+    if ":" in name and name not in _REGISTRY:
+        return from_factory(name)
     try:
         return _REGISTRY[name]
     except KeyError:

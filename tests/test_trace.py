@@ -253,3 +253,34 @@ def test_as_fn_rejects_a_different_params_structure():
     g = jscaler.trace(lambda p, b: (p["w"] * b).sum(), {"w": jnp.ones(3)}, jnp.ones(3))
     with pytest.raises(TypeError, match="different structure"):
         g.as_fn()({"v": jnp.ones(3)}, jnp.ones(3))
+
+
+def test_nnx_state_as_params_names_ops_by_module():
+    """A loss over an nnx State (rebuilt with nnx.merge inside) names ops by the module
+    that holds their parameters, as a traced nnx Module does, not '<root>'."""
+    from flax import nnx
+
+    from models import gpt
+
+    cfg = gpt.tiny()
+    graphdef, state = nnx.split(gpt.GPT(cfg, rngs=nnx.Rngs(0)))
+    batch = gpt.synthetic_batch(cfg, 8, 0)
+    graph = jscaler.trace(lambda s, b: gpt.loss(nnx.merge(graphdef, s), b), state, batch)
+    paths = {o.path for o in graph.ops}
+    assert {"blocks/0/attn/q_proj", "blocks/1/mlp/down_proj", "embed"} <= paths
+    assert sum(o.path == "" for o in graph.ops) < 0.1 * len(graph.ops)
+    assert [(layer.name, layer.index) for layer in graph.layers()][:2] == [
+        ("blocks/0", 0),
+        ("blocks/1", 1),
+    ]
+
+
+def test_haiku_separators_are_not_in_names():
+    """Haiku's 'mlp/~/linear_0' keys name params as op paths do: without the '~'."""
+    graph = jscaler.trace(
+        lambda p, b: (b["x"] @ p["mlp/~/linear_0"]["w"]).sum(),
+        {"mlp/~/linear_0": {"w": jnp.ones((4, 2))}},
+        {"x": jnp.ones((8, 4))},
+    )
+    names = {graph.tensors[t].name for t in graph.inputs}
+    assert "mlp/linear_0/w" in names

@@ -15,7 +15,12 @@ def register(sub) -> None:
         "op with its Flax module path, primitive, dim annotation (''=splittable, "
         "'+'=partial sums, '^'=not splittable), shapes and FLOPs, then the coverage.",
     )
-    ins.add_argument("--model", required=True, help="a reference model, e.g. gpt-tiny")
+    ins.add_argument(
+        "--model",
+        required=True,
+        help="a reference model, e.g. gpt-tiny, or your own as 'package.module:factory' or "
+        "'path/file.py:factory' (factory() returns (model_or_params, loss, batch))",
+    )
     ins.add_argument("--batch-size", type=int, default=None, help="batch size to trace with")
     ins.add_argument(
         "--select", default=None, help="only ops under matching module paths, e.g. 'blocks/0/*'"

@@ -35,6 +35,7 @@ from jscaler.compile.local import transition, vary, varying
 from jscaler.compile.regions import manual_regions
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Literal, Op
+from jscaler.ir.rules_elementwise import PLACEMENT
 from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
 
@@ -213,7 +214,7 @@ def _constrain(low: Lowered, x, layout: Layout):
 
 
 def _bind(op: Op, ins):
-    if op.primitive == "sharding_constraint":  # the plan's layouts replace the user's
+    if op.primitive in PLACEMENT:  # the plan's layouts replace the user's
         return list(ins)
     eqn = op.eqn
     params = eqn.primitive.get_bind_params(eqn.params)

@@ -5,7 +5,13 @@ every primitive (``rules_*.py``, extended with ``register_op``), and the mask al
 tensor pieces (``vtensor``). Imports nothing else of jscaler but ``jscaler.errors``.
 """
 
-from jscaler.ir import rules_elementwise, rules_index, rules_nn, rules_shape  # noqa: F401
+from jscaler.ir import (  # noqa: F401  (registers the rules)
+    rules_elementwise,
+    rules_index,
+    rules_linalg,
+    rules_nn,
+    rules_shape,
+)
 from jscaler.ir.annotation import Annotation as Annotation
 from jscaler.ir.check import check_annotations as check_annotations
 from jscaler.ir.graph import Coverage as Coverage

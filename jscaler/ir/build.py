@@ -9,27 +9,30 @@ import warnings
 import jax.extend.core as jcore
 
 from jscaler.errors import AnnotationError, UnsupportedOpError
-from jscaler.ir.control import COMPOSITES, composite
+from jscaler.ir.control import COMPOSITES, INLINE, composite
 from jscaler.ir.flops import op_flops
 from jscaler.ir.graph import Graph, Literal, Op, Tensor
+from jscaler.ir.loops import static_trip_count, while_as_scan
+from jscaler.ir.refusals import REFUSED
 from jscaler.ir.registry import annotate_eqn
+from jscaler.ir.rules_elementwise import PLACEMENT
 
 __all__ = ["Builder", "join_path"]
 
-INLINE = {"jit", "pjit", "closed_call", "core_call"}
-
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+# a qualified class name (equinox's ``eqx.nn.Linear`` scopes): the module, not its path
+_CLASS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\.[A-Z][A-Za-z0-9_]*$")
 
 
 def join_path(prefix: str, inner: str) -> str:
     """Joins a call site's module path with a path recorded inside its body.
 
     nnx paths are recorded whole (``blocks/0/mlp``), linen paths relative to the call.
-    Scope names that are not module names (``jnp.einsum`` records its subscripts) are
-    dropped.
+    Scope names that are not module names (``jnp.einsum`` records its subscripts, Haiku
+    its ``~`` separators, equinox the class ``eqx.nn.Linear``) are dropped.
     """
-    inner = "/".join(p for p in inner.split("/") if _NAME.match(p))
+    inner = "/".join(p for p in inner.split("/") if _NAME.match(p) and not _CLASS.match(p))
     if not inner:
         return prefix
     if not prefix or inner == prefix or inner.startswith(prefix + "/"):
@@ -88,8 +91,12 @@ class Builder:
             ins = [read(v) for v in eqn.invars]
             path = join_path(prefix, str(eqn.source_info.name_stack))
             name = eqn.primitive.name
+            trips = self._trips(eqn, ins) if name == "while" else None
             if name in INLINE:
                 closed = eqn.params["jaxpr"]
+                outs = self.convert(closed.jaxpr, closed.consts, ins, path)
+            elif trips is not None:  # a fixed trip count: a scan JAX can differentiate
+                closed = while_as_scan(eqn, trips)
                 outs = self.convert(closed.jaxpr, closed.consts, ins, path)
             else:
                 outs = [self.new_tensor(v.aval) for v in eqn.outvars]
@@ -98,6 +105,15 @@ class Builder:
                 if not isinstance(v, jcore.DropVar):
                     env[v] = o
         return [read(v) for v in jaxpr.outvars]
+
+    def _trips(self, eqn, ins) -> int | None:
+        def known(k):
+            x = ins[k]
+            if isinstance(x, Literal):
+                return x.value
+            return self.consts.get(x)
+
+        return static_trip_count(eqn, known)
 
     def _op(self, eqn, ins, outs, path) -> Op:
         name = eqn.primitive.name
@@ -122,9 +138,9 @@ class Builder:
             op = Op(oid, name, tuple(ins), tuple(outs), path, ann, op_flops(eqn), "op", eqn)
         if op.annotation is None and self.strict:
             raise UnsupportedOpError(_unsupported_message(op, eqn))
-        if name == "sharding_constraint":
+        if name in PLACEMENT:
             warnings.warn(
-                f"with_sharding_constraint at module path {path or '<root>'!r}: jscaler's plan "
+                f"{_PLACED.get(name, name)} at module path {path or '<root>'!r}: jscaler's plan "
                 f"lays out every tensor, so the constraint is kept as the identity it is "
                 f"numerically and its sharding is replaced by the plan's (see plan.explain())",
                 stacklevel=2,
@@ -143,14 +159,10 @@ def _body_graph(jaxpr, consts, path: str, strict: bool) -> Graph:
     return b.graph(ins, outs)
 
 
-_OPAQUE = {
-    "shard_map": "a shard_map is per-device code on a mesh of its own: jscaler plans the "
-    "whole step and cannot re-plan inside it; write the computation without shard_map (the "
-    "plan chooses the split and the collectives). ",
-    "pallas_call": "a Pallas kernel is opaque to jscaler; declare which dims of its inputs "
-    "and outputs may be split (the kernel must be correct on any slice of them; "
-    "register_op's function sees the eqn, so it can tell kernels apart by "
-    "eqn.params['name']) or call the kernel's plain-JAX reference implementation. ",
+_PLACED = {
+    "sharding_constraint": "with_sharding_constraint",
+    "reshard": "jax.sharding.reshard",
+    "device_put": "jax.device_put",
 }
 
 
@@ -162,7 +174,14 @@ def _unsupported_message(op: Op, eqn) -> str:
         "a b c d e f g h"[: 2 * len(getattr(v.aval, "shape", ())) - 1] for v in eqn.invars
     ]
     example = ", ".join(r or "()" for r in rank_names) + " -> ..."
-    return _OPAQUE.get(op.primitive, "") + (
+    refused = REFUSED.get(op.primitive)
+    if refused is not None:
+        return (
+            f"jscaler cannot plan primitive {op.primitive!r} at module path "
+            f"{op.path or '<root>'!r} ({fmt(eqn.invars)} -> {fmt(eqn.outvars)}): "
+            f"{refused.reason}. Fix: {refused.fix}."
+        )
+    return (
         f"no dim annotation for primitive {op.primitive!r} at module path "
         f"{op.path or '<root>'!r} ({fmt(eqn.invars)} -> {fmt(eqn.outvars)}). jscaler must "
         f"know which dims of every op can be split. Register one before tracing, e.g. "

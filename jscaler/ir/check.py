@@ -21,9 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jscaler.errors import AnnotationError
+from jscaler.ir.build import Builder
 from jscaler.ir.graph import Graph, Literal, Op
 
-__all__ = ["check_annotations", "check_op"]
+__all__ = ["check_annotations", "check_fn", "check_op"]
 
 
 def check_annotations(graph: Graph, model_or_params, batch, *, pieces: int = 2) -> int:
@@ -36,6 +37,28 @@ def check_annotations(graph: Graph, model_or_params, batch, *, pieces: int = 2) 
     checked = 0
     for op in graph.ops:
         if op.annotation is not None:
+            ins = [x.value if isinstance(x, Literal) else values[x] for x in op.inputs]
+            checked += check_op(op, ins, pieces=pieces)
+    return checked
+
+
+def check_fn(fn, *args, pieces: int = 2) -> int:
+    """Checks the annotation of every op ``fn(*args)`` traces to (nested jits inlined).
+
+    For rules on their own, outside a loss: ``check_fn(jnp.tile, x, (2, 1))``. Ops with no
+    rule are skipped. Returns the number of (op, dim) promises checked.
+    """
+    leaves = jax.tree_util.tree_leaves(args)
+    closed = jax.make_jaxpr(lambda *xs: fn(*jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(args), xs)))(*leaves)  # fmt: skip
+    b = Builder(strict=False)
+    ins = [b.new_tensor(v.aval, "batch") for v in closed.jaxpr.invars]
+    outs = b.convert(closed.jaxpr, closed.consts, ins)
+    graph = b.graph(ins, [o for o in outs if not isinstance(o, Literal)])
+    values = _all_values(graph, leaves)
+    checked = 0
+    for op in graph.ops:
+        if op.annotation is not None and op.outputs:
             ins = [x.value if isinstance(x, Literal) else values[x] for x in op.inputs]
             checked += check_op(op, ins, pieces=pieces)
     return checked
@@ -64,7 +87,10 @@ def _run(op: Op, ins):
 def check_op(op: Op, ins, *, pieces: int = 2) -> int:
     """Checks the annotation of one op on input values ``ins``; returns promises checked."""
     ann = op.annotation
-    if any(jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key) for x in ins):
+    avals = [v.aval for v in op.eqn.outvars]
+    if any(jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key) for x in ins) or any(
+        jnp.issubdtype(getattr(a, "dtype", np.float32), jax.dtypes.prng_key) for a in avals
+    ):
         return 0  # key arrays cannot be masked or perturbed elementwise
     ins = [np.asarray(x) for x in ins]
     full = _run(op, ins)

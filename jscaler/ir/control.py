@@ -12,10 +12,24 @@ from jscaler.ir.annotation import Annotation
 from jscaler.ir.compose import compose
 from jscaler.ir.graph import Graph
 
-__all__ = ["COMPOSITES", "composite", "scan_layout"]
+__all__ = ["COMPOSITES", "INLINE", "composite", "scan_layout"]
 
-CALLS = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr"}
-COMPOSITES = set(CALLS) | {"scan", "cond", "while"}
+# nested jits: traced through, their ops joining the caller's graph
+INLINE = {"jit", "pjit", "closed_call", "core_call"}
+
+# primitive -> the param holding the sub-program it calls
+CALLS = {
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "composite": "call_jaxpr",  # lax.composite: a named decomposition
+    "custom_vmap_call": "call",
+    "linear_call": "callee",
+}
+# hijax primitives (jnp.frexp, jnp.searchsorted, lax.custom_root) carry a HiPrim whose
+# ``expand`` is their definition in ordinary primitives
+HIJAX = "call_hi_primitive"
+COMPOSITES = set(CALLS) | {"scan", "cond", "while", HIJAX}
 
 MakeBody = Callable[[object], Graph]  # a (closed) jaxpr -> its Graph
 
@@ -23,8 +37,10 @@ MakeBody = Callable[[object], Graph]  # a (closed) jaxpr -> its Graph
 def composite(eqn, make_body: MakeBody) -> tuple[Annotation | None, float, str, Graph]:
     """(annotation before binding, FLOPs, kind, body graph) of a composite equation."""
     name, p = eqn.primitive.name, eqn.params
-    if name in CALLS:
-        body = make_body(p[CALLS[name]])
+    if name in CALLS or name == HIJAX:
+        body = make_body(expand_hijax(eqn) if name == HIJAX else p[CALLS[name]])
+        if len(body.inputs) != len(eqn.invars) or len(body.outputs) != len(eqn.outvars):
+            return None, body.flops, "call", body  # a calling convention we do not know
         return compose(body), body.flops, "call", body
     if name == "scan":
         body = make_body(p["jaxpr"])
@@ -40,6 +56,20 @@ def composite(eqn, make_body: MakeBody) -> tuple[Annotation | None, float, str, 
     if name == "cond":
         return _cond(eqn, make_body)
     return _while(eqn, make_body)
+
+
+def expand_hijax(eqn):
+    """The closed jaxpr of a hijax primitive's ``expand`` at the equation's operands."""
+    import jax
+
+    prim = eqn.params["_prim"]
+
+    def expanded(*flat):
+        args = jax.tree_util.tree_unflatten(prim.in_tree, flat)
+        return jax.tree_util.tree_leaves(prim.expand(*args))
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    return jax.make_jaxpr(expanded)(*avals)
 
 
 def scan_layout(eqn) -> tuple[int, int]:

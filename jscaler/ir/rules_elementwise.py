@@ -18,26 +18,36 @@ UNARY = (
     "asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs not erf erfc erf_inv "
     "lgamma digamma bessel_i0e bessel_i1e integer_pow square convert_element_type "
     "stop_gradient real imag conj population_count clz reduce_precision copy copy_p "
-    "sharding_constraint random_seed"
+    "sharding_constraint random_seed log2 one_minus_square random_clone name zeros_like "
+    "reshard layout_constraint relayout"
 ).split()
 BINARY = (
     "add sub mul div rem max min pow atan2 nextafter and or xor eq ne lt le gt ge shift_left "
     "shift_right_logical shift_right_arithmetic add_any complex igamma igammac "
-    "random_gamma_grad polygamma zeta random_fold_in"
+    "random_gamma_grad polygamma zeta random_fold_in mulhi igamma_grad_a eq_to le_to lt_to tie"
 ).split()
-TERNARY = "select_n clamp threefry2x32".split()
+TERNARY = "select_n clamp threefry2x32 regularized_incomplete_beta".split()
+# counter-based generators over n words -> m words of one shape
+COUNTER = "threefry4x32 philox2x32 philox4x32".split()
+# x and rank-0 coefficients
+VARIADIC = ("polynomial",)
 # ops that move or relabel data without arithmetic
-MOVEMENT = {"convert_element_type", "stop_gradient", "copy", "copy_p", "sharding_constraint"}
+MOVEMENT = {
+    "convert_element_type", "stop_gradient", "copy", "copy_p", "sharding_constraint", "name",
+    "reshard", "layout_constraint", "relayout", "device_put",
+}  # fmt: skip
+# the user's placement of a value, which the plan's layout replaces
+PLACEMENT = {"sharding_constraint", "reshard", "layout_constraint", "relayout", "device_put"}
 
 
-@_rule(*UNARY, *BINARY, *TERNARY, "optimization_barrier")
+@_rule(*UNARY, *BINARY, *TERNARY, *VARIADIC, *COUNTER, "optimization_barrier", "device_put")
 def elementwise(eqn):
     """Same dims on every operand and result; broadcast operands get '^' size-1 axes."""
     ins, outs = shapes(eqn)
     nm = Namer()
     out_rank = max((len(s) for s in outs), default=0)
     ref = next((s for s in outs if len(s) == out_rank), ())
-    if eqn.primitive.name == "optimization_barrier":  # n inputs -> the same n outputs
+    if eqn.primitive.name in ("optimization_barrier", "device_put"):  # n in -> same n out
         dims = [nm.fresh(len(s)) for s in ins]
         return nm.build(dims, dims)
     names = nm.fresh(len(ref))
@@ -93,20 +103,62 @@ def sort(eqn):
     return nm.build([dims] * len(ins), [dims] * len(outs))
 
 
-@_rule("top_k")
+@_rule("top_k", "approx_top_k")
 def top_k(eqn):
+    """The selected axis (``top_k``'s ``axis``, ``approx_top_k``'s ``reduction_dimension``,
+    the last by default) is '^' in and out; every other axis splits freely."""
     (s,), outs = shapes(eqn)
+    p = eqn.params
+    axis = p.get("axis", p.get("reduction_dimension", -1)) % len(s)
     nm = Namer()
     lead = nm.fresh(len(s) - 1)
+
+    def at(name):
+        return lead[:axis] + [name] + lead[axis:]
+
     k = nm.new("^")
-    return nm.build([lead + [nm.new("^")]], [lead + [k]] * len(outs))
+    return nm.build([at(nm.new("^"))], [at(k)] * len(outs))
 
 
-@_rule("iota", "random_bits")
-def generator(eqn):
-    ins, (o,) = shapes(eqn)
+@_rule("reduce")
+def generic_reduce(eqn):
+    """``lax.reduce`` with a user computation over n operands and n initial values: kept
+    axes split freely; reduced axes are '^' (the computation need not be a sum)."""
+    ins, outs = shapes(eqn)
+    n = len(outs)
+    axes = set(eqn.params["dimensions"])
     nm = Namer()
-    return nm.build([nm.fresh(len(s), "^") for s in ins], [nm.fresh(len(o))])
+    dims = [nm.new("^") if i in axes else nm.new() for i in range(len(ins[0]))]
+    kept = [d for i, d in enumerate(dims) if i not in axes]
+    return nm.build([dims] * n + [[] for _ in ins[n:]], [kept] * n)
+
+
+@_rule("iota", "random_bits", "empty", "empty2", "platform_index")
+@_rule("iota_2x32_shape")
+def generator(eqn):
+    """Outputs made from shapes (and scalar operands): split along every output axis."""
+    ins, outs = shapes(eqn)
+    nm = Namer()
+    return nm.build([nm.fresh(len(s), "^") for s in ins], [nm.fresh(len(o)) for o in outs])
+
+
+@_rule("rng_bit_generator")
+def rng_bit_generator(eqn):
+    """A key -> (the next key, bits): the key is '^', the bits split like a generator's."""
+    (k,), (k2, bits) = shapes(eqn)
+    nm = Namer()
+    return nm.build([nm.fresh(len(k), "^")], [nm.fresh(len(k2), "^"), nm.fresh(len(bits))])
+
+
+@_rule("random_gamma")
+def random_gamma(eqn):
+    """Gamma samples for each ``alpha``: the samples split with ``alpha``; the key's axes
+    are shared where it holds one key per sample, '^' where it is broadcast."""
+    (k, a), _ = shapes(eqn)
+    nm = Namer()
+    dims = nm.fresh(len(a))
+    key = dims if tuple(k) == tuple(a) else nm.fresh(len(k), "^")
+    return nm.build([key, dims], [dims])
 
 
 @_rule("random_split")
@@ -117,7 +169,26 @@ def random_split(eqn):
     return nm.build([keys], [keys + nm.fresh(len(o) - len(s), "^")])
 
 
-@_rule("random_wrap", "random_unwrap")
+@_rule("custom_linear_solve", "pure_callback", "rng_uniform")
+def whole(eqn):
+    """Ops whose insides jscaler does not read (a linear solve given as functions, a host
+    callback) or whose values depend on when they run (the stateful ``rng_uniform``):
+    every axis '^', so the op runs on whole operands wherever it runs."""
+    ins, outs = shapes(eqn)
+    nm = Namer()
+    return nm.build([nm.fresh(len(s), "^") for s in ins], [nm.fresh(len(o), "^") for o in outs])
+
+
+@_rule("debug_print")
+def debug_print(eqn):
+    """``jax.debug.print``: no results; its operands take any layout (it prints the
+    whole values wherever they are split)."""
+    ins, _ = shapes(eqn)
+    nm = Namer()
+    return nm.build([nm.fresh(len(s)) for s in ins], [])
+
+
+@_rule("random_wrap", "random_unwrap", "from_edtype", "to_edtype")
 def random_wrap(eqn):
     (s,), (o,) = shapes(eqn)
     nm = Namer()

@@ -53,7 +53,7 @@ def gather(eqn):
 
 
 @_rule("scatter", "scatter_add", "scatter-add", "scatter_mul", "scatter_min", "scatter_max")
-@_rule("scatter_sub")
+@_rule("scatter_sub", "scatter-mul", "scatter-min", "scatter-max", "scatter-sub")
 def scatter(eqn):
     """Window axes kept whole split freely; indexed and scattered axes are '^'."""
     (operand, indices, updates), _ = shapes(eqn)

@@ -28,6 +28,83 @@ def dot_general(eqn):
     return nm.build([lhs, rhs], [batch + [lhs[i] for i in lfree] + [rhs[j] for j in rfree]])
 
 
+@_rule("ragged_dot_general")
+def ragged_dot_general(eqn):
+    """A dot whose ragged lhs dim is cut into groups by ``group_sizes`` (dropless MoE).
+
+    As ``dot_general``, except: the ragged dim is '^' (a piece of it would need to know
+    where its groups start), the rhs group dim and ``group_sizes`` are '^'. When the ragged
+    dim is contracted (the weight gradient), the output gains a leading group axis ('^').
+    """
+    (ls, rs, gs), _ = shapes(eqn)
+    rdn = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
+    ragged = set(rdn.lhs_ragged_dimensions)
+    groups = set(rdn.rhs_group_dimensions)
+    nm = Namer()
+    lhs: list = [None] * len(ls)
+    rhs: list = [None] * len(rs)
+    batch = []
+    for i, j in zip(lb, rb):
+        lhs[i] = rhs[j] = nm.new("^" if i in ragged else "")
+        batch.append(lhs[i])
+    for i, j in zip(lc, rc):
+        lhs[i] = rhs[j] = nm.new("^" if i in ragged else "+")
+    for j in groups:
+        rhs[j] = nm.new("^")
+    lfree = [i for i in range(len(ls)) if lhs[i] is None]
+    rfree = [j for j in range(len(rs)) if rhs[j] is None]
+    for i in lfree:
+        lhs[i] = nm.new("^" if i in ragged else "")
+    for j in rfree:
+        rhs[j] = nm.new()
+    lead = [nm.new("^")] if ragged & set(lc) else []
+    out = lead + batch + [lhs[i] for i in lfree] + [rhs[j] for j in rfree]
+    return nm.build([lhs, rhs, nm.fresh(len(gs), "^")], [out])
+
+
+@_rule("scaled_dot")
+def scaled_dot(eqn):
+    """A block-scaled dot (``lhs, rhs, lhs_scale, rhs_scale``): as ``dot_general`` with the
+    contracting dims '^' (the scales hold one value per block of them); a scale axis as
+    long as its operand's shares that axis's dim, a shorter one is '^'."""
+    ins, _ = shapes(eqn)
+    ls, rs = ins[0], ins[1]
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    nm = Namer()
+    lhs: list = [None] * len(ls)
+    rhs: list = [None] * len(rs)
+    batch = []
+    for i, j in zip(lb, rb):
+        lhs[i] = rhs[j] = nm.new()
+        batch.append(lhs[i])
+    for i, j in zip(lc, rc):
+        lhs[i] = rhs[j] = nm.new("^")
+    lfree = [i for i in range(len(ls)) if lhs[i] is None]
+    rfree = [j for j in range(len(rs)) if rhs[j] is None]
+    for i in lfree:
+        lhs[i] = nm.new()
+    for j in rfree:
+        rhs[j] = nm.new()
+
+    def scale(shape, operand, dims):
+        if len(shape) != len(operand):
+            return nm.fresh(len(shape), "^")
+        out = []
+        for a, (n, m) in enumerate(zip(shape, operand)):
+            if n == m:
+                out.append(dims[a])
+            else:
+                out.append(nm.new("^"))
+                if nm.kinds[dims[a]] == "":
+                    nm.kinds[dims[a]] = "^"
+        return out
+
+    scales = [scale(s, (ls, rs)[k], (lhs, rhs)[k]) for k, s in enumerate(ins[2:4])]
+    out = batch + [lhs[i] for i in lfree] + [rhs[j] for j in rfree]
+    return nm.build([lhs, rhs, *scales], [out])
+
+
 @_rule("conv_general_dilated")
 def conv(eqn):
     """Batch and output features split freely; input features give partial sums.
@@ -93,7 +170,7 @@ def reduce_window(eqn):
     return nm.build(in_dims, [o_dims] * len(outs))
 
 
-@_rule("select_and_scatter_add", "select_and_gather_add")
+@_rule("select_and_scatter_add", "select_and_gather_add", "select_and_scatter")
 def select_and_scatter(eqn):
     """Max-pool gradients: like pooling, windowed axes '^' on every operand."""
     ins, (o,) = shapes(eqn)

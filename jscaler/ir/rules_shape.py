@@ -142,8 +142,14 @@ def split(eqn):
 
 @_rule("reshape")
 def reshape(eqn):
-    """Groups axes whose products match: ``(b, s*h) -> (b, s, h)`` is ``b (s h) -> b s h``."""
-    (s,), (o,) = shapes(eqn)
+    """Groups axes whose products match: ``(b, s*h) -> (b, s, h)`` is ``b (s h) -> b s h``.
+
+    With ``dimensions`` the operand is transposed first (``lax.reshape(x, shape,
+    dimensions)``): the groups are found on the transposed axes.
+    """
+    (s0,), (o,) = shapes(eqn)
+    perm = eqn.params.get("dimensions") or tuple(range(len(s0)))
+    s = [s0[p] for p in perm]
     nm = Namer()
     in_axes: list = [None] * len(s)
     out_axes: list = [None] * len(o)
@@ -161,7 +167,10 @@ def reshape(eqn):
             in_axes[i] = tuple(names[k] for k in part) or (nm.new("^"),)
         for j, part in zip(go, out_parts):
             out_axes[j] = tuple(names[k] for k in part) or (nm.new("^"),)
-    return nm.build([in_axes], [out_axes])
+    operand: list = [None] * len(s)
+    for k, p in enumerate(perm):
+        operand[p] = in_axes[k]
+    return nm.build([operand], [out_axes])
 
 
 def _reshape_groups(s, o):
@@ -217,3 +226,38 @@ def _refine(a: list[int], b: list[int]):
         return out
 
     return sizes, parts(a), parts(b)
+
+
+@_rule("stack")
+def stack(eqn):
+    """n operands of one shape -> a new axis of size n: the other axes keep their dims;
+    the new axis is '^' (piece k of it is operand k, not a slice of every operand)."""
+    ins, (o,) = shapes(eqn)
+    axis = eqn.params["axis"] % len(o)
+    nm = Namer()
+    common = nm.fresh(len(ins[0]))
+    out = common[:axis] + [nm.new("^")] + common[axis:]
+    return nm.build([common] * len(ins), [out])
+
+
+@_rule("unstack")
+def unstack(eqn):
+    """One operand -> its slices along ``axis`` (``a, b = x``): the other axes keep
+    their dims; the unstacked axis is '^'."""
+    (s,), outs = shapes(eqn)
+    axis = eqn.params["axis"] % len(s)
+    nm = Namer()
+    common = nm.fresh(len(s) - 1)
+    return nm.build([common[:axis] + [nm.new("^")] + common[axis:]], [common] * len(outs))
+
+
+@_rule("tile")
+def tile(eqn):
+    """``jnp.tile``: an axis repeated once keeps its dim; a repeated axis is '^' (each
+    output piece would need the whole input along it)."""
+    (s,), (o,) = shapes(eqn)
+    nm = Namer()
+    lead = len(o) - len(s)  # reps longer than the rank add leading axes
+    extra = nm.fresh(lead, "^")
+    i_dims, o_dims = _keep_or_cut(nm, s, lambda i: o[lead + i] == s[i])
+    return nm.build([i_dims], [extra + o_dims])

@@ -13,10 +13,11 @@ import contextlib
 import functools
 import threading
 
+import jax
 from flax import nnx
 from jax._src import source_info_util
 
-__all__ = ["module_paths", "module_scopes"]
+__all__ = ["leaf_scopes", "module_classes", "module_paths", "module_scopes"]
 
 _active = threading.local()
 
@@ -65,3 +66,80 @@ def _scoped(call):
 
     wrapper.__jscaler_scoped__ = True
     return wrapper
+
+
+def module_classes() -> list[type]:
+    """Every module class loaded now whose instances a params pytree may rebuild inside
+    a loss: flax.nnx's, and equinox's when equinox is imported."""
+    import sys
+
+    bases = [nnx.Module]
+    eqx = sys.modules.get("equinox")
+    if eqx is not None:
+        bases.append(eqx.Module)
+    found: dict[type, None] = {}
+    todo = list(bases)
+    while todo:
+        cls = todo.pop()
+        if cls not in found:
+            found[cls] = None
+            todo.extend(cls.__subclasses__())
+    return list(found)
+
+
+@contextlib.contextmanager
+def leaf_scopes(leaf_names: dict[int, str], module_classes):
+    """Within this context, a call of a module of one of ``module_classes`` names its ops
+    after the parameters it holds: the longest common path of their parents.
+
+    For models handed over as a params pytree, whose modules are rebuilt inside the loss
+    (``nnx.merge(graphdef, state)``, ``eqx.combine(params, static)``): the rebuilt
+    modules are new objects, but they hold the very arrays the trace passed in, whose
+    names (``leaf_names``: ``id(array) -> 'blocks/0/attn/q/kernel'``) are known. A module
+    holding no named array keeps its caller's name."""
+    owners = {}
+    for cls in module_classes:
+        for base in cls.__mro__:
+            if "__call__" in base.__dict__:
+                owners.setdefault(base, base.__dict__["__call__"])
+                break
+    try:
+        for cls, call in owners.items():
+            if not getattr(call, "__jscaler_scoped__", False):
+                cls.__call__ = _leaf_scoped(call, leaf_names)
+        yield
+    finally:
+        for cls, call in owners.items():
+            cls.__call__ = call
+
+
+def _leaf_scoped(call, leaf_names):
+    @functools.wraps(call)
+    def wrapper(self, *args, **kwargs):
+        path = _common_parent(leaf_names, _arrays_of(self))
+        if not path or str(source_info_util.current_name_stack()) == path:
+            return call(self, *args, **kwargs)
+        with source_info_util.reset_name_stack(), source_info_util.extend_name_stack(path):
+            return call(self, *args, **kwargs)
+
+    wrapper.__jscaler_scoped__ = True
+    return wrapper
+
+
+def _arrays_of(module) -> list:
+    if isinstance(module, nnx.Module):
+        return jax.tree_util.tree_leaves(nnx.state(module))
+    return jax.tree_util.tree_leaves(module)
+
+
+def _common_parent(leaf_names: dict[int, str], arrays) -> str:
+    parents = [leaf_names[id(a)].split("/")[:-1] for a in arrays if id(a) in leaf_names]
+    if not parents:
+        return ""
+    common = parents[0]
+    for p in parents[1:]:
+        k = 0
+        while k < min(len(common), len(p)) and common[k] == p[k]:
+            k += 1
+        common = common[:k]
+    return "/".join(common)

@@ -13,7 +13,8 @@ from flax import nnx
 from jscaler.errors import TraceError
 from jscaler.ir.build import Builder
 from jscaler.ir.graph import Graph
-from jscaler.ir.scopes import module_scopes
+from jscaler.ir.loops import refuse_dynamic_loops
+from jscaler.ir.scopes import leaf_scopes, module_classes, module_scopes
 
 __all__ = ["Signature", "trace"]
 
@@ -146,6 +147,9 @@ def trace(
     Raises:
       TraceError: the loss is not a scalar float; it returns a tuple without
         ``has_aux=True``, or (with it) not ``(loss, collections)`` matching the variables.
+      UnsupportedOpError: an op has no dim rule (``strict``), is refused (``shard_map``,
+        collectives, refs: the message says why and what to do), or is a ``while_loop``
+        with a run-time trip count that gradients flow through.
 
     Example::
 
@@ -203,9 +207,13 @@ def trace(
         sig = Signature("params", None, p_def, None, b_def)
         n_p = len(p_leaves)
 
+        classes = module_classes()
+
         def flat(*leaves):
             params = jax.tree_util.tree_unflatten(p_def, leaves[:n_p])
-            loss = loss_fn(params, jax.tree_util.tree_unflatten(b_def, leaves[n_p:]))
+            names = {id(x): n for x, n in zip(leaves[:n_p], p_names)}
+            with leaf_scopes(names, classes):
+                loss = loss_fn(params, jax.tree_util.tree_unflatten(b_def, leaves[n_p:]))
             return (_only_loss(loss),)
 
     avals = [
@@ -226,7 +234,9 @@ def trace(
         for v, role, name in zip(closed.jaxpr.invars, roles, names, strict=True)
     ]
     outs = b.convert(closed.jaxpr, closed.consts, ins)
-    return b.graph(ins, outs, sig)
+    graph = b.graph(ins, outs, sig)
+    refuse_dynamic_loops(graph)
+    return graph
 
 
 def _linen_split(variables) -> tuple[Any, dict]:
@@ -306,7 +316,10 @@ def _aux_leaves(new, rest: dict, old_leaves) -> list:
 
 def _flatten_with_names(tree, prefix: str):
     pairs, tdef = jax.tree_util.tree_flatten_with_path(tree)
-    names = [("/".join(filter(None, [prefix, _key_name(p)]))) for p, _ in pairs]
+    # Haiku's "mlp/~/linear_0" keys: the "~" is a separator, not a module (op paths drop it)
+    names = [
+        "/".join(q for q in [prefix, *_key_name(p).split("/")] if q and q != "~") for p, _ in pairs
+    ]
     return [x for _, x in pairs], names, tdef
 
 
