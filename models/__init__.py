@@ -185,6 +185,7 @@ def from_factory(expr: str) -> ModelSpec:
             if spec is None or not os.path.isfile(module_name):
                 raise FileNotFoundError(module_name)
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses (equinox modules) look it up
             spec.loader.exec_module(module)
         else:
             if os.getcwd() not in sys.path:

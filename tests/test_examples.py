@@ -16,6 +16,7 @@ EXPECT = {
     "wrap_train_step.py": "lies P(None, 'tp') on 8 devices",
     "multi_process.py": "2 processes, 8 devices; stage groups in processes [[0], [1]]",
     "own_model.py": "loss",
+    "third_party_models.py": "equinox_lm: loss",
 }
 
 

@@ -10,6 +10,8 @@ method (a '' dim's pieces depend only on their own pieces; '+' pieces add up).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,3 +203,46 @@ def test_refused_primitive_says_why_and_what_to_do():
 
     with pytest.raises(jscaler.UnsupportedOpError, match=r"'io_callback' at module path.*Fix:"):
         jscaler.trace(loss, {"w": jnp.ones(3)}, {"x": jnp.ones((8, 3))})
+
+
+@jax.custom_vjp
+def _scaled_tanh(x):
+    return jnp.tanh(x)
+
+
+_scaled_tanh.defvjp(lambda x: (jnp.tanh(x), x), lambda x, g: (g * (1 - jnp.tanh(x) ** 2),))
+
+
+def _wrapped_loss(p, b):
+    """What user code wraps its layers in: remat with a policy and named checkpoints, a
+    custom_vjp, a jit with donated arguments, a cond, a platform switch."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    policy = jax.checkpoint_policies.save_only_these_names("proj")
+
+    @functools.partial(jax.checkpoint, policy=policy)
+    def layer(x, w):
+        return _scaled_tanh(checkpoint_name(x @ w, "proj"))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def head(h, w):
+        return h @ w
+
+    h = layer(b["x"], p["w1"])
+    h = jax.lax.cond(b["flag"].any(), lambda t: t * 2.0, lambda t: t + 1.0, h)
+    h = jax.lax.platform_dependent(h, cpu=jnp.sin, default=jnp.cos)
+    return jnp.mean((head(h, p["w2"]) - b["y"]) ** 2)
+
+
+def test_remat_policies_custom_vjp_donated_jit_cond_train_like_one_device():
+    k = jax.random.key(3)
+    params = {"w1": 0.3 * jax.random.normal(k, (16, 32)), "w2": 0.3 * jax.random.normal(k, (32, 4))}
+    batches = [
+        {"x": jax.random.normal(jax.random.key(s), (8, 16)), "y": jnp.zeros((8, 4)),
+         "flag": jnp.full((8,), s % 2 == 0)}
+        for s in range(3)
+    ]  # fmt: skip
+    graph = jscaler.trace(_wrapped_loss, params, batches[0])
+    assert graph.coverage().ops == 1.0
+    assert {"remat2", "cond", "platform_index"} <= {o.primitive for o in graph.ops}
+    assert_matches_reference(params, _wrapped_loss, batches, dp())

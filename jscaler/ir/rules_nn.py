@@ -9,8 +9,15 @@ from jscaler.ir.registry import Namer, _rule, shapes
 def dot_general(eqn):
     """Batch dims shared, contracting dims '+', free dims split the output."""
     (ls, rs), _ = shapes(eqn)
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     nm = Namer()
+    lhs, rhs, out = _dot_dims(nm, ls, rs, eqn.params["dimension_numbers"], "+")
+    return nm.build([lhs, rhs], [out])
+
+
+def _dot_dims(nm: Namer, ls, rs, dimension_numbers, contracting: str):
+    """(lhs dims, rhs dims, output dims) of a dot: batch dims shared, contracting dims of
+    kind ``contracting``, free dims of each side in the output after the batch dims."""
+    (lc, rc), (lb, rb) = dimension_numbers
     lhs: list = [None] * len(ls)
     rhs: list = [None] * len(rs)
     batch = []
@@ -18,14 +25,14 @@ def dot_general(eqn):
         lhs[i] = rhs[j] = nm.new()
         batch.append(lhs[i])
     for i, j in zip(lc, rc):
-        lhs[i] = rhs[j] = nm.new("+")
+        lhs[i] = rhs[j] = nm.new(contracting)
     lfree = [i for i in range(len(ls)) if lhs[i] is None]
     rfree = [j for j in range(len(rs)) if rhs[j] is None]
     for i in lfree:
         lhs[i] = nm.new()
     for j in rfree:
         rhs[j] = nm.new()
-    return nm.build([lhs, rhs], [batch + [lhs[i] for i in lfree] + [rhs[j] for j in rfree]])
+    return lhs, rhs, batch + [lhs[i] for i in lfree] + [rhs[j] for j in rfree]
 
 
 @_rule("ragged_dot_general")
@@ -70,22 +77,8 @@ def scaled_dot(eqn):
     long as its operand's shares that axis's dim, a shorter one is '^'."""
     ins, _ = shapes(eqn)
     ls, rs = ins[0], ins[1]
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     nm = Namer()
-    lhs: list = [None] * len(ls)
-    rhs: list = [None] * len(rs)
-    batch = []
-    for i, j in zip(lb, rb):
-        lhs[i] = rhs[j] = nm.new()
-        batch.append(lhs[i])
-    for i, j in zip(lc, rc):
-        lhs[i] = rhs[j] = nm.new("^")
-    lfree = [i for i in range(len(ls)) if lhs[i] is None]
-    rfree = [j for j in range(len(rs)) if rhs[j] is None]
-    for i in lfree:
-        lhs[i] = nm.new()
-    for j in rfree:
-        rhs[j] = nm.new()
+    lhs, rhs, out = _dot_dims(nm, ls, rs, eqn.params["dimension_numbers"], "^")
 
     def scale(shape, operand, dims):
         if len(shape) != len(operand):
@@ -101,7 +94,6 @@ def scaled_dot(eqn):
         return out
 
     scales = [scale(s, (ls, rs)[k], (lhs, rhs)[k]) for k, s in enumerate(ins[2:4])]
-    out = batch + [lhs[i] for i in lfree] + [rhs[j] for j in rfree]
     return nm.build([lhs, rhs, *scales], [out])
 
 

@@ -55,10 +55,15 @@ def module_scopes(model):
 
 
 def _scoped(call):
+    return _named_by(call, lambda module: (getattr(_active, "paths", None) or {}).get(id(module)))
+
+
+def _named_by(call, path_of):
+    """``call`` run under the name stack ``path_of(module)`` (unchanged when empty)."""
+
     @functools.wraps(call)
     def wrapper(self, *args, **kwargs):
-        paths = getattr(_active, "paths", None) or {}
-        path = paths.get(id(self))
+        path = path_of(self)
         if not path or str(source_info_util.current_name_stack()) == path:
             return call(self, *args, **kwargs)
         with source_info_util.reset_name_stack(), source_info_util.extend_name_stack(path):
@@ -114,16 +119,7 @@ def leaf_scopes(leaf_names: dict[int, str], module_classes):
 
 
 def _leaf_scoped(call, leaf_names):
-    @functools.wraps(call)
-    def wrapper(self, *args, **kwargs):
-        path = _common_parent(leaf_names, _arrays_of(self))
-        if not path or str(source_info_util.current_name_stack()) == path:
-            return call(self, *args, **kwargs)
-        with source_info_util.reset_name_stack(), source_info_util.extend_name_stack(path):
-            return call(self, *args, **kwargs)
-
-    wrapper.__jscaler_scoped__ = True
-    return wrapper
+    return _named_by(call, lambda module: _common_parent(leaf_names, _arrays_of(module)))
 
 
 def _arrays_of(module) -> list:
