@@ -179,7 +179,9 @@ def _unsupported_message(op: Op, eqn) -> str:
         return (
             f"jscaler cannot plan primitive {op.primitive!r} at module path "
             f"{op.path or '<root>'!r} ({fmt(eqn.invars)} -> {fmt(eqn.outvars)}): "
-            f"{refused.reason}. Fix: {refused.fix}."
+            f"{refused.reason}. Fix: {refused.fix}. (If you know which of its dims may be "
+            f"split, jscaler.register_op({op.primitive!r}, ...) declares them and overrides "
+            f"this refusal.)"
         )
     return (
         f"no dim annotation for primitive {op.primitive!r} at module path "

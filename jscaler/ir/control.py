@@ -25,6 +25,7 @@ CALLS = {
     "composite": "call_jaxpr",  # lax.composite: a named decomposition
     "custom_vmap_call": "call",
     "linear_call": "callee",
+    "xla_metadata_call": "jaxpr",  # jax.experimental.xla_metadata around a function
 }
 # hijax primitives (jnp.frexp, jnp.searchsorted, lax.custom_root) carry a HiPrim whose
 # ``expand`` is their definition in ordinary primitives

@@ -51,6 +51,11 @@ _CUDNN = Refusal(
     "use the XLA implementation (jax.nn.dot_product_attention(..., implementation='xla'), "
     "plain matmuls) or declare its dims with jscaler.register_op",
 )
+_KERNEL = Refusal(
+    "a Pallas kernel-language primitive, which only exists inside a pallas_call body",
+    "it cannot appear in a loss outside a kernel; declare the kernel's dims with "
+    "jscaler.register_op('pallas_call', fn)",
+)
 _EFFECT = Refusal(
     "an ordered side effect (token, IO callback) that must run once, in order; a split "
     "plan runs ops on many devices and reorders them",
@@ -89,6 +94,12 @@ REFUSED: dict[str, Refusal] = {
         _CUDNN,
     ),
     **dict.fromkeys("io_callback create_token after_all".split(), _EFFECT),
+    **dict.fromkeys(
+        "delay get_global masked_load masked_swap mpmd_map multiple_of num_programs "
+        "program_id reciprocal run_scoped semaphore_read semaphore_signal "
+        "semaphore_wait".split(),
+        _KERNEL,
+    ),
     "call_exported": Refusal(
         "a jax.export artifact is compiled StableHLO, opaque to jscaler",
         "call the original Python function in the loss",

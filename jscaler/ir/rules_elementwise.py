@@ -19,7 +19,7 @@ UNARY = (
     "lgamma digamma bessel_i0e bessel_i1e integer_pow square convert_element_type "
     "stop_gradient real imag conj population_count clz reduce_precision copy copy_p "
     "sharding_constraint random_seed log2 one_minus_square random_clone name zeros_like "
-    "reshard layout_constraint relayout"
+    "reshard layout_constraint relayout xla_metadata_value"
 ).split()
 BINARY = (
     "add sub mul div rem max min pow atan2 nextafter and or xor eq ne lt le gt ge shift_left "

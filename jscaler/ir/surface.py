@@ -16,6 +16,7 @@ model. ``python -m jscaler.ir.surface`` prints the counts.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 import warnings
@@ -80,10 +81,18 @@ def jaxpr_primitives(jaxpr) -> Iterator[str]:
 def defined_primitives() -> dict[str, str]:
     """Every primitive object JAX defines: name -> the module that holds it.
 
-    Looks in ``jax.lax`` (its ``*_p`` objects), ``jax.extend.core.primitives`` and every
-    loaded module under ``jax._src`` (where the rest live)."""
-    import jax.extend.core.primitives as ext  # noqa: F401  (loads its modules)
+    Looks in every module under ``jax`` once ``jax.extend.core.primitives``, Pallas and
+    ``xla_metadata`` are loaded (``jax.lax``'s ``*_p``, ``jax._src``: where they live)."""
     from jax.extend.core import Primitive
+
+    # load the modules that define primitives a model may use, so the answer does not
+    # depend on what happened to be imported before
+    for name in ("jax.extend.core.primitives", "jax.experimental.pallas",
+                 "jax.experimental.xla_metadata"):  # fmt: skip
+        try:
+            importlib.import_module(name)
+        except ImportError:  # pragma: no cover - an optional module of another jax
+            pass
 
     found: dict[str, str] = {}
     for name, mod in sorted(sys.modules.items()):
