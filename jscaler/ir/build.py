@@ -17,7 +17,7 @@ from jscaler.ir.refusals import REFUSED
 from jscaler.ir.registry import annotate_eqn
 from jscaler.ir.rules_elementwise import PLACEMENT
 
-__all__ = ["Builder", "join_path"]
+__all__ = ["Builder", "graph_of", "join_path"]
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -124,7 +124,7 @@ class Builder:
                 jaxpr, consts = (
                     (inner.jaxpr, inner.consts) if hasattr(inner, "jaxpr") else (inner, ())
                 )
-                return _body_graph(jaxpr, consts, path, self.strict)
+                return graph_of(jaxpr, consts, path, strict=self.strict)
 
             ann, flops, kind, body = composite(eqn, make_body)
             if ann is not None:
@@ -152,7 +152,8 @@ def _shapes(vs):
     return [tuple(getattr(v.aval, "shape", ())) for v in vs]
 
 
-def _body_graph(jaxpr, consts, path: str, strict: bool) -> Graph:
+def graph_of(jaxpr, consts, path: str = "", *, strict: bool) -> Graph:
+    """The Graph of a jaxpr on its own (a call's or loop's body, a function's ops)."""
     b = Builder(strict=strict)
     ins = [b.new_tensor(v.aval) for v in jaxpr.invars]
     outs = b.convert(jaxpr, consts, ins, path)

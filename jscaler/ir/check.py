@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jscaler.errors import AnnotationError
-from jscaler.ir.build import Builder
+from jscaler.ir.build import graph_of
 from jscaler.ir.graph import Graph, Literal, Op
 
 __all__ = ["check_annotations", "check_fn", "check_op"]
@@ -51,10 +51,7 @@ def check_fn(fn, *args, pieces: int = 2) -> int:
     leaves = jax.tree_util.tree_leaves(args)
     closed = jax.make_jaxpr(lambda *xs: fn(*jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(args), xs)))(*leaves)  # fmt: skip
-    b = Builder(strict=False)
-    ins = [b.new_tensor(v.aval, "batch") for v in closed.jaxpr.invars]
-    outs = b.convert(closed.jaxpr, closed.consts, ins)
-    graph = b.graph(ins, [o for o in outs if not isinstance(o, Literal)])
+    graph = graph_of(closed.jaxpr, closed.consts, strict=False)
     values = _all_values(graph, leaves)
     checked = 0
     for op in graph.ops:

@@ -73,29 +73,34 @@ def static_trip_count(eqn, known: Callable[[int], object | None]) -> int | None:
     cc = [values.get(k) for k in range(n_cc)]
     bc = [values.get(n_cc + k) for k in range(n_bc)]
     carry = [values.get(n_cc + n_bc + k) for k in range(n)]
+    decide = [k in deciding for k in range(n)]
+    test, step = _pruned(p["cond_jaxpr"], [True]), _pruned(p["body_jaxpr"], decide)
     trips = 0
     while trips <= MAX_TRIPS:
-        (go,) = _eval(p["cond_jaxpr"], cc + carry, [True])
+        (go,) = test(cc + carry)
         if not bool(go):
             return trips
-        new = _eval(p["body_jaxpr"], bc + carry, [k in deciding for k in range(n)])
+        new = step(bc + carry)
         carry = [new[k] if k in deciding else None for k in range(n)]
         trips += 1
     return None
 
 
-def _eval(closed, args, used_outputs) -> list:
-    """Evaluates the outputs ``used_outputs`` of a closed jaxpr; ``args`` may hold None
-    for inputs those outputs do not read."""
+def _pruned(closed, used_outputs) -> Callable[[list], list]:
+    """A function evaluating only the outputs ``used_outputs`` of a closed jaxpr (pruned
+    once, run every trip); its argument may hold None for inputs they do not read."""
     jaxpr = closed.jaxpr
     eqns, _ = _prune(jaxpr, used_outputs)
     outvars = [v for v, u in zip(jaxpr.outvars, used_outputs) if u]
     pruned = jaxpr.replace(eqns=eqns, outvars=outvars, effects=jax.extend.core.no_effects)
-    args = [
-        np.zeros(v.aval.shape, v.aval.dtype) if a is None else a for a, v in zip(args, jaxpr.invars)
-    ]
-    it = iter(jax.core.eval_jaxpr(pruned, closed.consts, *args))
-    return [next(it) if u else None for u in used_outputs]
+    zeros = [np.zeros(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+
+    def run(args):
+        args = [z if a is None else a for a, z in zip(args, zeros)]
+        it = iter(jax.core.eval_jaxpr(pruned, closed.consts, *args))
+        return [next(it) if u else None for u in used_outputs]
+
+    return run
 
 
 def while_as_scan(eqn, trips: int):
