@@ -81,8 +81,8 @@ from jscaler.runtime import spmd_pipeline as spmd_pipeline
 from jscaler.runtime import value_and_grad as value_and_grad
 from jscaler.search import intra_op as intra_op
 from jscaler.search import propagate as propagate
+from jscaler.version import __version__ as __version__
 
-__version__ = "0.2.0"
 
 __all__ = [
     "Annotation",

@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
 from jscaler.errors import CheckpointError
+from jscaler.version import __version__
 
 __all__ = ["Checkpointable", "latest_step", "restore", "save"]
 
@@ -232,8 +233,6 @@ def _is_pipeline(trainer) -> bool:
 def _describe(trainer, slots: dict[str, list[Slot]]) -> dict:
     """The metadata that must match between saving and restoring trainers, plus where it
     came from."""
-    from jscaler import __version__
-
     return {
         "jscaler": __version__,
         "plan": getattr(trainer.plan, "name", ""),

@@ -31,6 +31,7 @@ import jax
 from jscaler.errors import DistributedError
 from jscaler.plan.pipeline import PipelinePlan
 from jscaler.plan.plan import Plan
+from jscaler.version import __version__
 from jscaler.plan.schedule import Schedule
 
 __all__ = ["check_plan_agreement", "peer_failures_as_errors", "plan_digest"]
@@ -87,8 +88,6 @@ def check_plan_agreement(
         return
     from jax._src.distributed import global_state
 
-    import jscaler
-
     client = global_state.client
     if client is None:  # multi-process without jax.distributed: nothing to talk through
         return
@@ -96,7 +95,7 @@ def check_plan_agreement(
     mine = {
         "digest": plan_digest(plan, schedule, devices),
         "plan": plan.name or type(plan).__name__,
-        "jscaler": jscaler.__version__,
+        "jscaler": __version__,
         "jax": jax.__version__,
     }
     prefix = f"jscaler/plan_agreement/{next(_calls)}"
