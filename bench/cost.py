@@ -43,8 +43,8 @@ def default_cases() -> list[tuple[str, str]]:
 def run(cases=None, n_devices: int = 8) -> list[Row]:
     import jscaler
     import models
-    from jscaler.cli import parse_plan
     from jscaler.compile.hlo import collectives, summarize
+    from spaces.parse import parse_plan
 
     rows = []
     for model_name, expr in cases or default_cases():

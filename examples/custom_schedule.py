@@ -9,7 +9,7 @@ before anything runs. This one is GPipe with the backwards newest-first; it trai
     python examples/custom_schedule.py
 """
 
-from jscaler._setup import use_cpu_devices
+from jscaler.setup import use_cpu_devices
 
 use_cpu_devices(8)
 

@@ -10,7 +10,7 @@ the ``dp x tp`` mesh. It then checks itself against one device.
     python examples/custom_space.py
 """
 
-from jscaler._setup import use_cpu_devices
+from jscaler.setup import use_cpu_devices
 
 use_cpu_devices(8)  # 8 simulated CPU devices; on GPUs, leave this out
 
@@ -19,6 +19,7 @@ from flax import nnx  # noqa: E402
 
 import jscaler  # noqa: E402
 from jscaler.plan import MeshSpec, Plan, assign_mesh, batch_axes, split_classes  # noqa: E402
+from jscaler.report import explain  # noqa: E402
 from jscaler.runtime.reference import compare, reference_steps, trainer_steps  # noqa: E402
 from models import gpt  # noqa: E402
 
@@ -45,7 +46,7 @@ def main():
     trainer = jscaler.parallelize(
         make(), gpt.loss, optax.sgd(0.1), batches[0], devices=8, plan=dp_and_mlp_tp(4, 2)
     )
-    print(trainer.plan.explain())
+    print(explain(trainer.plan))
     print(trainer.comm_table().format())
     mm = compare(
         trainer_steps(trainer, batches),

@@ -13,7 +13,7 @@ joins from the SLURM / Open MPI environment. Every process derives the same plan
 import os
 import sys
 
-from jscaler._setup import init_distributed
+from jscaler.setup import init_distributed
 
 
 def worker():

@@ -6,7 +6,7 @@ updates ``batch_stats`` (``has_aux=True``) under ZeRO-3.
     python examples/own_model.py
 """
 
-from jscaler._setup import use_cpu_devices
+from jscaler.setup import use_cpu_devices
 
 use_cpu_devices(8)  # 8 simulated CPU devices; on GPUs, leave this out
 

@@ -6,7 +6,7 @@ under another plan on fewer devices, export the weights back into the user's mod
 
 import tempfile
 
-from jscaler._setup import use_cpu_devices
+from jscaler.setup import use_cpu_devices
 
 use_cpu_devices(8)  # 8 simulated CPU devices; on GPUs, leave this out
 

@@ -243,7 +243,7 @@ FACTORIES = {
 
 
 if __name__ == "__main__":
-    from jscaler._setup import use_cpu_devices
+    from jscaler.setup import use_cpu_devices
 
     use_cpu_devices(8)
     import jscaler

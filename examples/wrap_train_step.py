@@ -9,7 +9,7 @@ compiles the whole step, optimizer included, as one SPMD program.
     python examples/wrap_train_step.py
 """
 
-from jscaler._setup import use_cpu_devices
+from jscaler.setup import use_cpu_devices
 
 use_cpu_devices(8)
 

@@ -1,7 +1,7 @@
 """``jscaler launch``: start N local processes of one command as one JAX program.
 
 Each process gets ``--devices-per-proc`` simulated CPU devices and joins the run through
-``jax.distributed.initialize`` on 127.0.0.1 (the environment :func:`jscaler._setup.
+``jax.distributed.initialize`` on 127.0.0.1 (the environment :func:`jscaler.setup.
 init_distributed` reads). Process 0's output is shown as it comes; the others' is shown,
 prefixed, if they fail. When one exits non-zero or is killed by a signal, the launcher
 says which on stderr (``jscaler launch: process 1 died (signal SIGKILL); stopping the other
@@ -22,7 +22,8 @@ import time
 __all__ = ["launch"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for a coordinator or transfer address)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -50,7 +51,7 @@ def launch(command: list[str], nprocs: int, devices_per_proc: int, timeout: floa
         raise SystemExit("jscaler launch: give the command after --, e.g. -- jscaler train ...")
     if command[0] == "jscaler":  # the console script of this same installation
         command = [sys.executable, "-m", "jscaler.cli", *command[1:]]
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     procs, logs = [], []
     for i in range(nprocs):
         env = dict(os.environ)
@@ -60,7 +61,7 @@ def launch(command: list[str], nprocs: int, devices_per_proc: int, timeout: floa
             JSCALER_NUM_PROCESSES=str(nprocs),
             JSCALER_PROCESS_ID=str(i),
             JSCALER_LOCAL_DEVICES=str(devices_per_proc),
-            JSCALER_TRANSFER_ADDRESS=f"127.0.0.1:{_free_port()}",
+            JSCALER_TRANSFER_ADDRESS=f"127.0.0.1:{free_port()}",
         )
         # a file, not a pipe: a pipe nobody reads fills up and blocks a chatty process
         logs.append(None if i == 0 else tempfile.TemporaryFile("w+"))

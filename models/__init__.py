@@ -18,7 +18,7 @@ from flax import nnx
 
 from models import convnet, gpt, mlp, recycler
 
-__all__ = ["ModelSpec", "UnknownModelError", "from_factory", "get", "names"]
+__all__ = ["ModelSpec", "UnknownModelError", "from_factory", "get", "gpt_spec", "names"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,9 @@ class UnknownModelError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _gpt_spec(name: str, cfg: gpt.GPTConfig, batch_size: int, what: str) -> ModelSpec:
+def gpt_spec(name: str, cfg: gpt.GPTConfig, batch_size: int, what: str) -> ModelSpec:
+    """The spec of a :class:`models.gpt.GPT` of config ``cfg`` named ``name`` (``what``
+    describes it), trained at ``batch_size`` on synthetic token batches."""
     return ModelSpec(
         name=name,
         kind="nnx",
@@ -91,11 +93,11 @@ def _lazy(
 def _build() -> dict[str, ModelSpec]:
     conv_cfg, mlp_cfg, rec_cfg = convnet.tiny(), mlp.tiny(), recycler.tiny()
     specs = [
-        _gpt_spec("gpt-tiny", gpt.tiny(), 8, "Llama-style decoder for tests"),
-        _gpt_spec("gpt-small", gpt.small(), 16, "Llama-style decoder for benchmarks"),
-        _gpt_spec("gpt-1.3b", gpt.gpt_1_3b(), 8, "Llama-style decoder, GPT-3 XL shape"),
-        _gpt_spec("llama-7b", gpt.llama_7b(), 8, "Llama-7B shape"),
-        _gpt_spec("llama-13b", gpt.llama_13b(), 8, "Llama-13B shape"),
+        gpt_spec("gpt-tiny", gpt.tiny(), 8, "Llama-style decoder for tests"),
+        gpt_spec("gpt-small", gpt.small(), 16, "Llama-style decoder for benchmarks"),
+        gpt_spec("gpt-1.3b", gpt.gpt_1_3b(), 8, "Llama-style decoder, GPT-3 XL shape"),
+        gpt_spec("llama-7b", gpt.llama_7b(), 8, "Llama-7B shape"),
+        gpt_spec("llama-13b", gpt.llama_13b(), 8, "Llama-13B shape"),
         ModelSpec(
             name="convnet-tiny",
             kind="linen",

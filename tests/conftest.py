@@ -3,7 +3,7 @@
 This runs before any test module imports JAX's backends.
 """
 
-from jscaler._setup import enable_compilation_cache, use_cpu_devices
+from jscaler.setup import enable_compilation_cache, use_cpu_devices
 
 N_DEVICES = 8
 use_cpu_devices(N_DEVICES)

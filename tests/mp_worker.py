@@ -2,7 +2,7 @@
 
 Usage: ``python tests/mp_worker.py MODE [STEPS]`` in a process whose environment carries
 the ``JSCALER_*`` variables that ``jscaler launch`` sets (or from a launch command line).
-It joins the run (:func:`jscaler._setup.init_distributed`), parallelises gpt-tiny with
+It joins the run (:func:`jscaler.setup.init_distributed`), parallelises gpt-tiny with
 data parallelism over every process's devices (so each step all-reduces across processes)
 and trains STEPS steps (default 3), printing ``process P step S loss L`` after each.
 
@@ -30,7 +30,7 @@ import sys
 
 
 def main(mode: str, steps: int) -> int:
-    from jscaler._setup import enable_compilation_cache, init_distributed
+    from jscaler.setup import enable_compilation_cache, init_distributed
 
     if not init_distributed():
         print("mp_worker: not in a multi-process run (no JSCALER_COORDINATOR)", file=sys.stderr)

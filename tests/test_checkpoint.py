@@ -136,7 +136,7 @@ def test_pipeline_round_trip_continue_and_restore_without_pipeline(tmp_path):
 
 CHILD = """
 import sys, time
-from jscaler._setup import enable_compilation_cache, use_cpu_devices
+from jscaler.setup import enable_compilation_cache, use_cpu_devices
 use_cpu_devices(8)
 enable_compilation_cache()
 import optax, orbax.checkpoint as ocp

@@ -87,8 +87,8 @@ def test_verify_exit_codes():
 
 
 def test_plan_expressions_are_parsed_safely():
-    from jscaler.cli import parse_plan
     from spaces import megatron, zero
+    from spaces.parse import parse_plan
 
     assert parse_plan("megatron(tp=2, dp=4)") == megatron(tp=2, dp=4)
     assert parse_plan("zero") == zero()

@@ -1,10 +1,13 @@
 """The structure the brief pins: the engine never imports spaces/, schedules/, models/ or
-bench/ (only jscaler/cli/ turns names into them); the public API is exported once."""
+bench/ (only jscaler/cli/ turns names into them); the public API is exported once; no
+import cycles under jscaler/ and no private names imported across modules
+(``python -m jscaler.tools.imports`` prints both)."""
 
 import ast
 from pathlib import Path
 
 import jscaler
+from jscaler.tools.imports import cycles, import_graph, private_imports
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTSIDE = {"spaces", "schedules", "models", "bench"}
@@ -35,3 +38,43 @@ def test_every_public_name_is_exported_once_and_documented():
         obj = getattr(jscaler, name)
         if callable(obj):
             assert (obj.__doc__ or "").strip(), f"jscaler.{name} has no docstring"
+
+
+def test_no_import_cycles_under_jscaler():
+    """Counting imports inside functions: a lazy import that closes a cycle is still one."""
+    found = cycles(import_graph(ROOT / "jscaler"))
+    assert not found, "import cycles:\n" + "\n".join(" ".join(c) for c in found)
+
+
+def test_no_private_names_imported_across_modules():
+    found = private_imports(ROOT / "jscaler")
+    for outside in ("tests", "bench", "examples", "spaces", "schedules", "models"):
+        found += [
+            (f"{outside}/{f}", m, n) for f, m, n in private_imports(ROOT / outside, "jscaler")
+        ]
+    assert not found, "private imports:\n" + "\n".join(f"{f}: {n} from {m}" for f, m, n in found)
+
+
+def test_the_import_checker_finds_a_cycle_and_a_private_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import _hidden\n")
+    (pkg / "c.py").write_text("import pkg.a\n_hidden = 1\n")
+    (pkg / "d.py").write_text("from pkg import a, _e\n")
+    (pkg / "_e.py").write_text("")
+    graph = import_graph(pkg)
+    assert graph["pkg.sub.b"] == {"pkg.c"} and graph["pkg.d"] == {"pkg.a", "pkg._e"}
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    assert private_imports(pkg) == [
+        ("pkg.d", "pkg", "_e"),
+        ("pkg.sub.b", "pkg.c", "_hidden"),
+    ]
+    (tmp_path / "user.py").write_text("from pkg.c import _hidden\nimport pkg.a\n")
+    assert private_imports(tmp_path, package="pkg") == [
+        ("pkg/d.py", "pkg", "_e"),
+        ("pkg/sub/b.py", "pkg.c", "_hidden"),
+        ("user.py", "pkg.c", "_hidden"),
+    ]

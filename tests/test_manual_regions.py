@@ -11,6 +11,7 @@ import pytest
 import jscaler
 import models
 from jscaler.plan import op_trans
+from jscaler.report import explain
 from models import gpt
 from spaces import coshard, dp, megatron, ulysses, zero
 
@@ -60,7 +61,7 @@ def test_coshard_matches_single_device_training(case):
 
 def _long_gpt():
     cfg = gpt.GPTConfig(vocab_size=128, d_model=128, n_layers=2, n_heads=16, d_ff=256, seq_len=256)
-    return models._gpt_spec("gpt-long", cfg, 8, "attention-heavy")
+    return models.gpt_spec("gpt-long", cfg, 8, "attention-heavy")
 
 
 def _temp_bytes(spec, space):
@@ -169,7 +170,7 @@ def test_a_coshard_plan_round_trips_through_json_and_explains_itself(gpt_graph):
     plan = jscaler.validate(coshard(tp=2, colocate=2)(gpt_graph, 8))
     again = jscaler.Plan.from_json(plan.to_json(), gpt_graph)
     assert again == plan and again.regions == plan.regions
-    text = plan.explain()
+    text = explain(plan)
     assert "coshard d(64)/2" in text  # the q projection's colocated split
 
 

@@ -65,9 +65,9 @@ WORKER = Path(__file__).with_name("mp_worker.py")
 def _start_workers(mode: str, steps: int = 5, nprocs: int = 2):
     """``nprocs`` processes of tests/mp_worker.py joined as ``jscaler launch`` would join
     them, but started here (as SLURM would), with a 10 s heartbeat; output to files."""
-    from jscaler.launch import _free_port
+    from jscaler.launch import free_port
 
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     procs = []
     for i in range(nprocs):
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -76,7 +76,7 @@ def _start_workers(mode: str, steps: int = 5, nprocs: int = 2):
             JSCALER_NUM_PROCESSES=str(nprocs),
             JSCALER_PROCESS_ID=str(i),
             JSCALER_LOCAL_DEVICES="2",
-            JSCALER_TRANSFER_ADDRESS=f"127.0.0.1:{_free_port()}",
+            JSCALER_TRANSFER_ADDRESS=f"127.0.0.1:{free_port()}",
             JSCALER_HEARTBEAT_TIMEOUT="10",
         )
         log = tempfile.TemporaryFile("w+")

@@ -5,9 +5,9 @@ import pytest
 
 import jscaler
 import models
-from jscaler.cli import parse_plan
 from schedules import interlaced as interlaced_schedule
 from spaces import SPACES, alphafold_3f1b, coshard, dap, deepspeed, interlaced, megatron_3d
+from spaces.parse import parse_plan
 
 from parity import assert_parity
 

@@ -19,6 +19,7 @@ from jscaler import (
     split,
 )
 from jscaler.plan import assign_mesh, split_classes, split_ops
+from jscaler.report import explain
 
 from parity import assert_parity, leaves
 
@@ -123,7 +124,7 @@ def test_plan_json_round_trip_and_hash():
     assert again == plan and hash(again) == hash(plan)
     assert again.to_json() == plan.to_json()
     assert plan != hand_dp(g)
-    assert "hand dp" in plan.explain() and "replicate x8" in plan.explain()
+    assert "hand dp" in explain(plan) and "replicate x8" in explain(plan)
 
 
 def test_a_plan_for_another_graph_names_the_differing_param():

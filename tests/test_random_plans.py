@@ -16,6 +16,7 @@ import jscaler
 import models
 from jscaler import MeshSpec, Plan, SubOp, op_assign, op_trans, recompute, replicate, split
 from jscaler.plan.primitives import dim_extent
+from jscaler.report import explain
 from jscaler.runtime.reference import compare, reference_steps, trainer_steps
 
 EXAMPLES = int(os.environ.get("JSCALER_HYPOTHESIS_EXAMPLES", "100"))
@@ -122,5 +123,5 @@ def test_random_plan_matches_or_raises_plan_error(setup, data):
     event("ran and matched")
     got = trainer_steps(trainer, [batch])
     mm = compare(got, ref)
-    assert mm.ok, "\n".join([plan.explain(), *mm.lines[:10]])
+    assert mm.ok, "\n".join([explain(plan), *mm.lines[:10]])
     jax.clear_caches() if len(jax.live_arrays()) > 10_000 else None

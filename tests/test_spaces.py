@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jscaler
 import models
+from jscaler.report import explain
 from spaces import dp, megatron, zero
 
 from parity import assert_parity, leaves
@@ -71,7 +72,7 @@ def test_megatron_tp4_splits_mlp_weights_and_attention_four_ways():
         assert s[f"blocks/{i}/attn/o_proj/kernel"] == P("tp")
         assert s[f"blocks/{i}/norm1/scale"] == P()
     assert s["embed/embedding"] == P("tp")  # vocabulary-parallel
-    text = trainer.plan.explain()
+    text = explain(trainer.plan)
     assert "blocks/0/attn/q_proj" in text and "partial" in text
 
 

@@ -1,4 +1,4 @@
-"""Schedules drawn as timelines: ``Schedule.plot`` writes a PNG, ``jscaler viz`` prints
+"""Schedules drawn as timelines: ``jscaler.report.plot`` writes a PNG, ``jscaler viz`` prints
 the bubble beside (p-1)/(m+p-1). No JAX compilation: only the schedule is simulated."""
 
 import matplotlib.image
@@ -6,7 +6,7 @@ import pytest
 
 import jscaler
 from jscaler.cli import main
-from jscaler.plan.plot import DPI, figure, plot
+from jscaler.report.plot import DPI, figure, plot
 from schedules import gpipe, interleaved_1f1b, one_f_one_b, three_f_one_b, zero_bubble
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +31,7 @@ def _png_size(path) -> tuple[int, int]:
 def test_plot_writes_a_png_one_row_per_group(name, tmp_path):
     schedule = SCHEDULES[name]()
     path = tmp_path / f"{name}.png"
-    timeline = schedule.plot(path)
+    timeline = plot(schedule, path)
     assert path.stat().st_size > 1000
     height, width = _png_size(path)
     fig = figure(timeline)
@@ -52,7 +52,7 @@ def test_plot_returns_the_simulated_timeline(name, tmp_path):
 
 def test_plot_with_costs_times_as_simulate_does(tmp_path):
     cost = {"F": 1.0, "B": 3.0, "W": 1.0, "R": 1.0}
-    timeline = one_f_one_b(3, 5).plot(tmp_path / "c.png", cost=cost)
+    timeline = plot(one_f_one_b(3, 5), tmp_path / "c.png", cost=cost)
     assert timeline.spans == jscaler.simulate(one_f_one_b(3, 5), cost).spans
     assert (tmp_path / "c.png").read_bytes()[:8] == PNG_SIGNATURE
 

@@ -20,9 +20,9 @@ from jscaler.cli import (
     verify,
     viz,
 )
-from jscaler.cli.common import describe, parse_plan, parse_schedule
+from jscaler.cli.common import describe, parse_schedule
 
-__all__ = ["describe", "main", "parse_plan", "parse_schedule"]
+__all__ = ["describe", "main", "parse_schedule"]
 
 _COMMANDS = (inspect_graph, train, verify, plan, launch_cmd, bench, viz, profile)
 
@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs ``jscaler ARGV``; returns the exit status (2 on a jscaler error)."""
     args = _parser().parse_args(argv)
-    from jscaler._setup import enable_compilation_cache, init_distributed, use_cpu_devices
+    from jscaler.setup import enable_compilation_cache, init_distributed, use_cpu_devices
 
     if args.command == "launch":
         return launch_cmd.run(args)

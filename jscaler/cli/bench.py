@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from jscaler.cli.common import add_devices, parse_plan
+from jscaler.cli.common import add_devices
 
 
 def register(sub) -> None:
@@ -75,6 +75,7 @@ def _bench(args) -> int:
 
         return importlib.import_module(f"bench.{args.which}").main(args)
     from bench import spmd
+    from spaces.parse import parse_plan
 
     n = args.devices or 8
     args.model = args.model or "gpt-small"
@@ -128,6 +129,7 @@ def _bench_cost(args) -> int:
 
 def _bench_coshard(args) -> int:
     from bench import coshard
+    from spaces.parse import parse_plan
 
     n = args.devices or 8
     plans = None

@@ -4,9 +4,8 @@ flags, building a trainer for a reference model."""
 from __future__ import annotations
 
 import argparse
-import ast
 
-__all__ = ["describe", "parse_plan", "parse_schedule"]
+__all__ = ["describe", "parse_schedule"]
 
 
 def add_devices(p: argparse.ArgumentParser) -> None:
@@ -48,51 +47,6 @@ def add_pipeline(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _parse_call(expr: str, flag: str, table: dict, error, expected: str):
-    """``(name, args, kwargs)`` of ``"name"`` or ``"name(literal, key=literal)"`` with
-    ``name`` in ``table``; args and kwargs are None for a bare name."""
-    try:
-        node = ast.parse(expr.strip(), mode="eval").body
-    except SyntaxError as e:
-        raise error(f"{flag} {expr!r} is not an expression: {e.msg}") from None
-    name = node.id if isinstance(node, ast.Name) else getattr(getattr(node, "func", None), "id", "")
-    if not isinstance(node, ast.Name | ast.Call) or name not in table:
-        raise error(f"{flag} {expr!r}: expected {expected}")
-    if isinstance(node, ast.Name):
-        return name, None, None
-    try:
-        args = [ast.literal_eval(a) for a in node.args]
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-    except ValueError:
-        raise error(f"{flag} {expr!r}: arguments must be literals") from None
-    return name, args, kwargs
-
-
-def parse_plan(expr: str):
-    """A space from ``"megatron(tp=2, dp=4)"`` (literal arguments only), a bare space
-    name, or a plan JSON path (returned as the path)."""
-    import os
-
-    from jscaler.errors import PlanError
-    from jscaler.search import intra_op
-    from spaces import SPACES
-
-    if os.path.isfile(expr):
-        return expr
-    table = SPACES | {"intra_op": intra_op, "auto": intra_op}
-    expected = (
-        f'a call of one of {sorted(table)} such as "megatron(tp=2)", "auto" (searched), or '
-        f"a plan JSON path"
-    )
-    name, args, kwargs = _parse_call(expr, "--plan", table, PlanError, expected)
-    if args is None:
-        return table[name]()
-    try:
-        return table[name](*args, **kwargs)
-    except TypeError as e:
-        raise PlanError(f"--plan {expr!r}: {e}") from None
-
-
 def parse_schedule(expr: str | None):
     """A schedule function ``(groups, microbatches) -> Schedule`` from ``"gpipe"`` or
     ``"interleaved_1f1b(chunks=2)"`` (literal keyword arguments); None for the default."""
@@ -100,11 +54,12 @@ def parse_schedule(expr: str | None):
 
     from jscaler.errors import ScheduleError
     from schedules import SCHEDULES
+    from spaces.parse import parse_call
 
     if expr is None:
         return None
     expected = f"one of {sorted(SCHEDULES)}"
-    name, args, kwargs = _parse_call(expr, "--schedule", SCHEDULES, ScheduleError, expected)
+    name, args, kwargs = parse_call(expr, "--schedule", SCHEDULES, ScheduleError, expected)
     if args is None:
         return SCHEDULES[name]
     if args:
@@ -141,6 +96,7 @@ def abstract_model(spec):
 def setup_trainer(args, optimizer):
     import jscaler
     import models
+    from spaces.parse import parse_plan
 
     spec = models.get(args.model)
     model = spec.init(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from jscaler.cli.common import abstract_model, parse_plan
+from jscaler.cli.common import abstract_model
 
 
 def register(sub) -> None:
@@ -72,6 +72,7 @@ def _plan_cmd(args) -> int:
     from jscaler import PipelinePlan, Plan, PlanError, trace
     from jscaler.cost import estimate, estimate_pipeline, get_cluster
     from jscaler.search import explain, intra_op
+    from spaces.parse import parse_plan
 
     spec = models.get(args.model)
     batch = spec.batch(spec.batch_size, 0)

@@ -16,6 +16,7 @@ from jscaler.cli.common import (
     setup_trainer,
     throughput,
 )
+from jscaler.report import explain
 
 
 def register(sub) -> None:
@@ -103,7 +104,7 @@ def _train(args) -> int:
     print(describe(trainer))
     if args.explain:
         for plan in plans_of(trainer):
-            print(plan.explain())
+            print(explain(plan))
     start_step = 0
     if args.resume:
         from jscaler.runtime.checkpoint import latest_step

@@ -41,7 +41,7 @@ def register(sub) -> None:
 
 def _viz(args) -> int:
     from jscaler.errors import ScheduleError
-    from jscaler.plan.plot import plot
+    from jscaler.report.plot import plot
 
     try:
         schedule = parse_schedule(args.schedule)(args.stages, args.microbatches)

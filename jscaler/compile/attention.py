@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jscaler.ir.evaluate import evaluate
 from jscaler.ir.graph import Graph, Literal, Op
 
 __all__ = [
@@ -353,7 +354,7 @@ class _Matcher:
         if ops is None:
             return None
         ops = tuple(sorted(set(ops), key=lambda o: o.id))
-        return np.asarray(Graph(self.g.tensors, ops, (), (x,), self.g.consts).evaluate()[0]), dims
+        return np.asarray(evaluate(Graph(self.g.tensors, ops, (), (x,), self.g.consts))[0]), dims
 
     def scalar(self, x) -> float | None:
         """The value of a constant that is one number everywhere, else None."""

@@ -14,6 +14,7 @@ from jscaler.ir import (  # noqa: F401  (registers the rules)
 )
 from jscaler.ir.annotation import Annotation as Annotation
 from jscaler.ir.check import check_annotations as check_annotations
+from jscaler.ir.evaluate import evaluate as evaluate
 from jscaler.ir.graph import Coverage as Coverage
 from jscaler.ir.graph import Graph as Graph
 from jscaler.ir.graph import Layer as Layer
@@ -22,6 +23,7 @@ from jscaler.ir.graph import Op as Op
 from jscaler.ir.graph import Tensor as Tensor
 from jscaler.ir.registry import register_op as register_op
 from jscaler.ir.trace import trace as trace
+from jscaler.ir.unroll import unroll as unroll
 from jscaler.ir.vtensor import Mask as Mask
 from jscaler.ir.vtensor import PTensor as PTensor
 from jscaler.ir.vtensor import VTensor as VTensor

@@ -142,7 +142,8 @@ class Builder:
             warnings.warn(
                 f"{_PLACED.get(name, name)} at module path {path or '<root>'!r}: jscaler's plan "
                 f"lays out every tensor, so the constraint is kept as the identity it is "
-                f"numerically and its sharding is replaced by the plan's (see plan.explain())",
+                f"numerically and its sharding is replaced by the plan's "
+                f"(see jscaler.report.explain(plan))",
                 stacklevel=2,
             )
         return op

@@ -22,6 +22,7 @@ import numpy as np
 
 from jscaler.errors import AnnotationError
 from jscaler.ir.build import graph_of
+from jscaler.ir.evaluate import evaluate
 from jscaler.ir.graph import Graph, Literal, Op
 
 __all__ = ["check_annotations", "check_fn", "check_op"]
@@ -71,7 +72,7 @@ def _all_values(graph: Graph, flat_inputs) -> dict:
     )
     env = dict(graph.consts)
     env.update(zip(graph.inputs, flat_inputs))
-    env.update(zip(sub.outputs, sub.evaluate(*flat_inputs)))
+    env.update(zip(sub.outputs, evaluate(sub, *flat_inputs)))
     return env
 
 

@@ -15,8 +15,9 @@ from jscaler.ir.graph import Graph, Literal
 __all__ = ["evaluate"]
 
 
-def evaluate(graph: Graph, flat_inputs) -> list:
-    """Values of ``graph.outputs`` given values for ``graph.inputs`` (in order)."""
+def evaluate(graph: Graph, *flat_inputs) -> list:
+    """Runs the ops of ``graph`` on values for its ``inputs`` (in order) and returns the
+    values of its ``outputs``."""
     if len(flat_inputs) != len(graph.inputs):
         raise TypeError(f"the graph takes {len(graph.inputs)} inputs, got {len(flat_inputs)}")
     env = dict(graph.consts)

@@ -3,10 +3,11 @@
 A :class:`Graph` is what :func:`jscaler.trace` returns. Its ops are jaxpr equations with
 nested ``jit`` calls inlined; custom-derivative and rematerialised calls stay whole as
 ``call`` ops (their custom gradients survive) and ``scan`` stays a ``loop`` op that
-:meth:`Graph.unroll` expands. Every op carries its Flax module path and its dim
-annotation.
+:func:`jscaler.ir.unroll` expands. Every op carries its Flax module path and its dim
+annotation. Running a graph on values is :func:`jscaler.ir.evaluate`.
 
-The graph is immutable: :meth:`select`, :meth:`unroll` and friends return new graphs.
+The graph is immutable: :meth:`select`, :func:`~jscaler.ir.unroll` and friends return new
+graphs. This module imports no other module of the IR but ``annotation``.
 """
 
 from __future__ import annotations
@@ -267,12 +268,6 @@ class Graph:
 
     # ---- execution -------------------------------------------------------------------
 
-    def evaluate(self, *flat_inputs) -> list:
-        """Runs the ops on values for ``inputs`` and returns the values of ``outputs``."""
-        from jscaler.ir.evaluate import evaluate
-
-        return evaluate(self, flat_inputs)
-
     def as_fn(self) -> Callable:
         """A callable with the traced loss function's signature, computing it from the ops.
 
@@ -280,14 +275,10 @@ class Graph:
         statistics) as the original did.
         """
         if self.signature is None:
-            raise TypeError("as_fn() needs a traced graph; call evaluate() on subgraphs")
+            raise TypeError(
+                "as_fn() needs a traced graph; run a subgraph with jscaler.ir.evaluate(graph, ...)"
+            )
         return self.signature.make_fn(self)
-
-    def unroll(self, op: Op | int) -> Graph:
-        """Expands a ``loop`` op (a scan) into one copy of its body per iteration."""
-        from jscaler.ir.unroll import unroll
-
-        return unroll(self, op if isinstance(op, Op) else self.op(op))
 
 
 def _glob_regex(pattern: str) -> re.Pattern:

@@ -125,7 +125,8 @@ REFUSED: dict[str, Refusal] = {
     ),
     "inspect_sharding": Refusal(
         "jax.debug.inspect_array_sharding shows GSPMD's sharding, which the plan replaces",
-        "remove it and read the plan's layouts with plan.explain() or jscaler inspect",
+        "remove it and read the plan's layouts with jscaler.report.explain(plan) or "
+        "jscaler inspect",
     ),
     "global_array_to_host_local_array": Refusal(
         "multihost_utils conversions move data between processes outside the step",

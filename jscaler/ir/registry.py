@@ -13,7 +13,15 @@ from typing import Any
 from jscaler.errors import AnnotationError
 from jscaler.ir.annotation import Annotation
 
-__all__ = ["AnnotationRule", "Namer", "register_op", "rule_for", "annotate_eqn"]
+__all__ = [
+    "AnnotationRule",
+    "Namer",
+    "register_op",
+    "unregister_op",
+    "builtin_rule",
+    "rule_for",
+    "annotate_eqn",
+]
 
 AnnotationRule = Callable[[Any], "Annotation | str"]
 _RULES: dict[str, AnnotationRule] = {}
@@ -50,8 +58,16 @@ def register_op(primitive: Any, annotation_fn: AnnotationRule | str) -> None:
         )
 
 
-def _rule(*names: str):
-    """Decorator for jscaler's built-in rules."""
+def unregister_op(primitive: Any) -> None:
+    """Removes the rule of a primitive (or its name), as if none had been registered; a
+    primitive with no rule is left as it is. Undoes :func:`register_op` (in tests)."""
+    name = primitive if isinstance(primitive, str) else getattr(primitive, "name", None)
+    _RULES.pop(name, None)
+
+
+def builtin_rule(*names: str):
+    """Decorator for jscaler's built-in rules (``rules_*.py``): registers the function as
+    the rule of each primitive in ``names`` that has none yet, so ``register_op`` wins."""
 
     def deco(fn):
         for n in names:

@@ -11,7 +11,7 @@ provides (partitionable threefry for random bits).
 
 from __future__ import annotations
 
-from jscaler.ir.registry import Namer, _rule, shapes
+from jscaler.ir.registry import Namer, builtin_rule, shapes
 
 UNARY = (
     "neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan "
@@ -40,7 +40,7 @@ MOVEMENT = {
 PLACEMENT = {"sharding_constraint", "reshard", "layout_constraint", "relayout", "device_put"}
 
 
-@_rule(*UNARY, *BINARY, *TERNARY, *VARIADIC, *COUNTER, "optimization_barrier", "device_put")
+@builtin_rule(*UNARY, *BINARY, *TERNARY, *VARIADIC, *COUNTER, "optimization_barrier", "device_put")
 def elementwise(eqn):
     """Same dims on every operand and result; broadcast operands get '^' size-1 axes."""
     ins, outs = shapes(eqn)
@@ -63,7 +63,7 @@ def elementwise(eqn):
     return nm.build(in_dims, out_dims)
 
 
-@_rule("bitcast_convert_type")
+@builtin_rule("bitcast_convert_type")
 def bitcast(eqn):
     """Same-width bitcasts keep shape; width changes add or drop a trailing '^' axis."""
     (s,), (o,) = shapes(eqn)
@@ -75,8 +75,8 @@ def bitcast(eqn):
     )
 
 
-@_rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or")
-@_rule("reduce_xor", "argmax", "argmin")
+@builtin_rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or")
+@builtin_rule("reduce_xor", "argmax", "argmin")
 def reduce(eqn):
     """Kept axes split freely; a summed axis splits into partial sums ('+'), others '^'."""
     (s,), _ = shapes(eqn)
@@ -87,7 +87,7 @@ def reduce(eqn):
     return nm.build([dims], [[d for i, d in enumerate(dims) if i not in axes]])
 
 
-@_rule("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+@builtin_rule("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 def cumulative(eqn):
     (s,), _ = shapes(eqn)
     nm = Namer()
@@ -95,7 +95,7 @@ def cumulative(eqn):
     return nm.build([dims], [dims])
 
 
-@_rule("sort")
+@builtin_rule("sort")
 def sort(eqn):
     ins, outs = shapes(eqn)
     nm = Namer()
@@ -103,7 +103,7 @@ def sort(eqn):
     return nm.build([dims] * len(ins), [dims] * len(outs))
 
 
-@_rule("top_k", "approx_top_k")
+@builtin_rule("top_k", "approx_top_k")
 def top_k(eqn):
     """The selected axis (``top_k``'s ``axis``, ``approx_top_k``'s ``reduction_dimension``,
     the last by default) is '^' in and out; every other axis splits freely."""
@@ -120,7 +120,7 @@ def top_k(eqn):
     return nm.build([at(nm.new("^"))], [at(k)] * len(outs))
 
 
-@_rule("reduce")
+@builtin_rule("reduce")
 def generic_reduce(eqn):
     """``lax.reduce`` with a user computation over n operands and n initial values: kept
     axes split freely; reduced axes are '^' (the computation need not be a sum)."""
@@ -133,8 +133,8 @@ def generic_reduce(eqn):
     return nm.build([dims] * n + [[] for _ in ins[n:]], [kept] * n)
 
 
-@_rule("iota", "random_bits", "empty", "empty2", "platform_index")
-@_rule("iota_2x32_shape")
+@builtin_rule("iota", "random_bits", "empty", "empty2", "platform_index")
+@builtin_rule("iota_2x32_shape")
 def generator(eqn):
     """Outputs made from shapes (and scalar operands): split along every output axis."""
     ins, outs = shapes(eqn)
@@ -142,7 +142,7 @@ def generator(eqn):
     return nm.build([nm.fresh(len(s), "^") for s in ins], [nm.fresh(len(o)) for o in outs])
 
 
-@_rule("rng_bit_generator")
+@builtin_rule("rng_bit_generator")
 def rng_bit_generator(eqn):
     """A key -> (the next key, bits): the key is '^', the bits split like a generator's."""
     (k,), (k2, bits) = shapes(eqn)
@@ -150,7 +150,7 @@ def rng_bit_generator(eqn):
     return nm.build([nm.fresh(len(k), "^")], [nm.fresh(len(k2), "^"), nm.fresh(len(bits))])
 
 
-@_rule("random_gamma")
+@builtin_rule("random_gamma")
 def random_gamma(eqn):
     """Gamma samples for each ``alpha``: the samples split with ``alpha``; the key's axes
     are shared where it holds one key per sample, '^' where it is broadcast."""
@@ -161,7 +161,7 @@ def random_gamma(eqn):
     return nm.build([key, dims], [dims])
 
 
-@_rule("random_split")
+@builtin_rule("random_split")
 def random_split(eqn):
     (s,), (o,) = shapes(eqn)
     nm = Namer()
@@ -169,7 +169,7 @@ def random_split(eqn):
     return nm.build([keys], [keys + nm.fresh(len(o) - len(s), "^")])
 
 
-@_rule("custom_linear_solve", "pure_callback", "rng_uniform")
+@builtin_rule("custom_linear_solve", "pure_callback", "rng_uniform")
 def whole(eqn):
     """Ops whose insides jscaler does not read (a linear solve given as functions, a host
     callback) or whose values depend on when they run (the stateful ``rng_uniform``):
@@ -179,7 +179,7 @@ def whole(eqn):
     return nm.build([nm.fresh(len(s), "^") for s in ins], [nm.fresh(len(o), "^") for o in outs])
 
 
-@_rule("debug_print")
+@builtin_rule("debug_print")
 def debug_print(eqn):
     """``jax.debug.print``: no results; its operands take any layout (it prints the
     whole values wherever they are split)."""
@@ -188,7 +188,7 @@ def debug_print(eqn):
     return nm.build([nm.fresh(len(s)) for s in ins], [])
 
 
-@_rule("random_wrap", "random_unwrap", "from_edtype", "to_edtype")
+@builtin_rule("random_wrap", "random_unwrap", "from_edtype", "to_edtype")
 def random_wrap(eqn):
     (s,), (o,) = shapes(eqn)
     nm = Namer()

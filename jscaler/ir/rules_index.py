@@ -8,10 +8,10 @@ is Megatron's vocabulary-parallel embedding. Other indexed axes are '^'.
 
 from __future__ import annotations
 
-from jscaler.ir.registry import Namer, _rule, shapes
+from jscaler.ir.registry import Namer, builtin_rule, shapes
 
 
-@_rule("gather")
+@builtin_rule("gather")
 def gather(eqn):
     (operand, indices), (out,) = shapes(eqn)
     p = eqn.params
@@ -52,8 +52,8 @@ def gather(eqn):
     return nm.build([op_dims, idx_dims], [out_dims])
 
 
-@_rule("scatter", "scatter_add", "scatter-add", "scatter_mul", "scatter_min", "scatter_max")
-@_rule("scatter_sub", "scatter-mul", "scatter-min", "scatter-max", "scatter-sub")
+@builtin_rule("scatter", "scatter_add", "scatter-add", "scatter_mul", "scatter_min", "scatter_max")
+@builtin_rule("scatter_sub", "scatter-mul", "scatter-min", "scatter-max", "scatter-sub")
 def scatter(eqn):
     """Window axes kept whole split freely; indexed and scattered axes are '^'."""
     (operand, indices, updates), _ = shapes(eqn)

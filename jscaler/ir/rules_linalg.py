@@ -8,7 +8,7 @@ factorisation of a slice of a matrix is a slice of the factorisation.
 
 from __future__ import annotations
 
-from jscaler.ir.registry import Namer, _rule, shapes
+from jscaler.ir.registry import Namer, builtin_rule, shapes
 
 # primitive -> trailing core rank of its first operand (the rest follow from it)
 CORE_RANK = {
@@ -33,7 +33,7 @@ CORE_RANK = {
 }
 
 
-@_rule(*CORE_RANK)
+@builtin_rule(*CORE_RANK)
 def batched_core(eqn):
     """The leading batch axes of the first operand are shared by every operand and result
     (those whose rank holds them); the trailing core axes are '^'."""
@@ -42,7 +42,7 @@ def batched_core(eqn):
     return _batched(ins, outs, n_batch)
 
 
-@_rule("fft")
+@builtin_rule("fft")
 def fft(eqn):
     """The transformed trailing axes (``fft_lengths``) are '^'; leading axes split."""
     ins, outs = shapes(eqn)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from jscaler.ir.registry import Namer, _rule, shapes
+from jscaler.ir.registry import Namer, builtin_rule, shapes
 
 
-@_rule("dot_general")
+@builtin_rule("dot_general")
 def dot_general(eqn):
     """Batch dims shared, contracting dims '+', free dims split the output."""
     (ls, rs), _ = shapes(eqn)
@@ -35,7 +35,7 @@ def _dot_dims(nm: Namer, ls, rs, dimension_numbers, contracting: str):
     return lhs, rhs, batch + [lhs[i] for i in lfree] + [rhs[j] for j in rfree]
 
 
-@_rule("ragged_dot_general")
+@builtin_rule("ragged_dot_general")
 def ragged_dot_general(eqn):
     """A dot whose ragged lhs dim is cut into groups by ``group_sizes`` (dropless MoE).
 
@@ -70,7 +70,7 @@ def ragged_dot_general(eqn):
     return nm.build([lhs, rhs, nm.fresh(len(gs), "^")], [out])
 
 
-@_rule("scaled_dot")
+@builtin_rule("scaled_dot")
 def scaled_dot(eqn):
     """A block-scaled dot (``lhs, rhs, lhs_scale, rhs_scale``): as ``dot_general`` with the
     contracting dims '^' (the scales hold one value per block of them); a scale axis as
@@ -97,7 +97,7 @@ def scaled_dot(eqn):
     return nm.build([lhs, rhs, *scales], [out])
 
 
-@_rule("conv_general_dilated")
+@builtin_rule("conv_general_dilated")
 def conv(eqn):
     """Batch and output features split freely; input features give partial sums.
 
@@ -142,7 +142,7 @@ def _window_whole(p, i) -> bool:
     )
 
 
-@_rule("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
+@builtin_rule("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
 def reduce_window(eqn):
     """Pooling: axes without a window (batch, channels) split; windowed axes are '^'."""
     ins, outs = shapes(eqn)
@@ -162,7 +162,7 @@ def reduce_window(eqn):
     return nm.build(in_dims, [o_dims] * len(outs))
 
 
-@_rule("select_and_scatter_add", "select_and_gather_add", "select_and_scatter")
+@builtin_rule("select_and_scatter_add", "select_and_gather_add", "select_and_scatter")
 def select_and_scatter(eqn):
     """Max-pool gradients: like pooling, windowed axes '^' on every operand."""
     ins, (o,) = shapes(eqn)

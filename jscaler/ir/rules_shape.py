@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 
-from jscaler.ir.registry import Namer, _rule, shapes
+from jscaler.ir.registry import Namer, builtin_rule, shapes
 
 
-@_rule("broadcast_in_dim")
+@builtin_rule("broadcast_in_dim")
 def broadcast_in_dim(eqn):
     ins, (o,) = shapes(eqn)
     nm = Namer()
@@ -24,7 +24,7 @@ def broadcast_in_dim(eqn):
     return nm.build([operand] + [nm.fresh(len(s), "^") for s in ins[1:]], [out])
 
 
-@_rule("transpose")
+@builtin_rule("transpose")
 def transpose(eqn):
     (s,), _ = shapes(eqn)
     nm = Namer()
@@ -32,7 +32,7 @@ def transpose(eqn):
     return nm.build([dims], [[dims[p] for p in eqn.params["permutation"]]])
 
 
-@_rule("squeeze")
+@builtin_rule("squeeze")
 def squeeze(eqn):
     (s,), _ = shapes(eqn)
     nm = Namer()
@@ -41,7 +41,7 @@ def squeeze(eqn):
     return nm.build([dims], [[d for i, d in enumerate(dims) if i not in gone]])
 
 
-@_rule("rev")
+@builtin_rule("rev")
 def rev(eqn):
     (s,), _ = shapes(eqn)
     nm = Namer()
@@ -64,7 +64,7 @@ def _keep_or_cut(nm: Namer, shape, keep) -> tuple[list[str], list[str]]:
     return ins, outs
 
 
-@_rule("slice")
+@builtin_rule("slice")
 def slice_(eqn):
     (s,), _ = shapes(eqn)
     p = eqn.params
@@ -78,7 +78,7 @@ def slice_(eqn):
     return nm.build([i_dims], [o_dims])
 
 
-@_rule("pad")
+@builtin_rule("pad")
 def pad(eqn):
     (s, _pv), _ = shapes(eqn)
     nm = Namer()
@@ -88,7 +88,7 @@ def pad(eqn):
     return nm.build([i_dims, []], [o_dims])
 
 
-@_rule("dynamic_slice")
+@builtin_rule("dynamic_slice")
 def dynamic_slice(eqn):
     ins, _ = shapes(eqn)
     s = ins[0]
@@ -97,7 +97,7 @@ def dynamic_slice(eqn):
     return nm.build([i_dims] + [nm.fresh(len(x), "^") for x in ins[1:]], [o_dims])
 
 
-@_rule("dynamic_update_slice")
+@builtin_rule("dynamic_update_slice")
 def dynamic_update_slice(eqn):
     ins, _ = shapes(eqn)
     s, u = ins[0], ins[1]
@@ -114,7 +114,7 @@ def dynamic_update_slice(eqn):
     return nm.build([operand, update] + [nm.fresh(len(x), "^") for x in ins[2:]], [operand])
 
 
-@_rule("concatenate")
+@builtin_rule("concatenate")
 def concatenate(eqn):
     ins, _ = shapes(eqn)
     axis = eqn.params["dimension"]
@@ -127,7 +127,7 @@ def concatenate(eqn):
     return nm.build([with_cut(nm.new("^")) for _ in ins], [with_cut(nm.new("^"))])
 
 
-@_rule("split")
+@builtin_rule("split")
 def split(eqn):
     (s,), outs = shapes(eqn)
     axis = eqn.params["axis"]
@@ -140,7 +140,7 @@ def split(eqn):
     return nm.build([with_cut(nm.new("^"))], [with_cut(nm.new("^")) for _ in outs])
 
 
-@_rule("reshape")
+@builtin_rule("reshape")
 def reshape(eqn):
     """Groups axes whose products match: ``(b, s*h) -> (b, s, h)`` is ``b (s h) -> b s h``.
 
@@ -228,7 +228,7 @@ def _refine(a: list[int], b: list[int]):
     return sizes, parts(a), parts(b)
 
 
-@_rule("stack")
+@builtin_rule("stack")
 def stack(eqn):
     """n operands of one shape -> a new axis of size n: the other axes keep their dims;
     the new axis is '^' (piece k of it is operand k, not a slice of every operand)."""
@@ -240,7 +240,7 @@ def stack(eqn):
     return nm.build([common] * len(ins), [out])
 
 
-@_rule("unstack")
+@builtin_rule("unstack")
 def unstack(eqn):
     """One operand -> its slices along ``axis`` (``a, b = x``): the other axes keep
     their dims; the unstacked axis is '^'."""
@@ -251,7 +251,7 @@ def unstack(eqn):
     return nm.build([common[:axis] + [nm.new("^")] + common[axis:]], [common] * len(outs))
 
 
-@_rule("tile")
+@builtin_rule("tile")
 def tile(eqn):
     """``jnp.tile``: an axis repeated once keeps its dim; a repeated axis is '^' (each
     output piece would need the whole input along it)."""

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jscaler.errors import TraceError
 from jscaler.ir.build import Builder
+from jscaler.ir.evaluate import evaluate
 from jscaler.ir.graph import Graph
 from jscaler.ir.loops import refuse_dynamic_loops
 from jscaler.ir.scopes import leaf_scopes, module_classes, module_scopes
@@ -97,7 +98,7 @@ class Signature:
             p_leaves, s_leaves = sig.split(model_or_params)
             b_leaves, b_def = jax.tree_util.tree_flatten(batch)
             _check_def("batch", b_def, sig.batch_def)
-            outs = graph.evaluate(*p_leaves, *s_leaves, *b_leaves)
+            outs = evaluate(graph, *p_leaves, *s_leaves, *b_leaves)
             if sig.kind == "nnx" and s_leaves:
                 new_state = jax.tree_util.tree_unflatten(sig.state_def, outs[1:])
                 nnx.update(model_or_params, new_state)

@@ -1,4 +1,4 @@
-"""``Graph.unroll``: a scan becomes one copy of its body per iteration.
+"""``unroll(graph, op)``: a scan becomes one copy of its body per iteration.
 
 The scan is re-traced as a Python loop over its body (each iteration under the name
 ``<i>``), so unrolled ops carry paths like ``layers/3/attn/...`` and ``Graph.layers()``
@@ -20,7 +20,10 @@ from jscaler.ir.graph import Graph, Literal, Op
 __all__ = ["unroll"]
 
 
-def unroll(graph: Graph, op: Op) -> Graph:
+def unroll(graph: Graph, op: Op | int) -> Graph:
+    """Expands the ``loop`` op ``op`` (an Op of ``graph`` or its id; a scan) into one copy of
+    its body per iteration, returning the new graph."""
+    op = op if isinstance(op, Op) else graph.op(op)
     if op.kind != "loop":
         raise TraceError(f"unroll() expands loop ops (scans); {op.where} is a {op.kind!r} op")
     p = op.eqn.params

@@ -1,4 +1,4 @@
-"""Plans: the three primitives over a graph, frozen Plans, validation, explanation.
+"""Plans: the three primitives over a graph, frozen Plans, validation.
 
 Owns: ``Plan``/``Node``/``SubOp``/``MeshSpec`` (frozen, JSON round-trip), the primitives
 ``op_trans``/``op_assign``/``op_order`` and their algorithms, dim classes, ``validate``,

@@ -16,8 +16,8 @@ from jscaler.plan.classes import DimClasses
 from jscaler.plan.mesh import MeshSpec
 from jscaler.plan.plan import Node, Plan, SubOp
 from jscaler.plan.primitives import (
-    _pieces,
-    _split_problem,
+    node_with_leaves,
+    split_problem,
 )
 
 __all__ = [
@@ -106,9 +106,12 @@ def split_ops(plan: Plan, dims: Mapping[int, str | Sequence[str] | None], n: int
         wanted = [want] if isinstance(want, str) else list(want or ())
         tree = trees.get(op_id, Node())
         for path, _ in list(tree.leaves()):
-            dim = next((d for d in wanted if not _split_problem(op, tree, path, d, n)), None)
+            dim = next((d for d in wanted if not split_problem(op, tree, path, d, n)), None)
             tree = tree.replace(
-                path, _pieces("split", dim, n) if dim else _pieces("replicate", None, n)
+                path,
+                node_with_leaves("split", dim, n)
+                if dim
+                else node_with_leaves("replicate", None, n),
             )
         trees[op_id] = tree
     return plan.evolve(trees=trees)

@@ -250,12 +250,6 @@ class Plan:
     def is_recomputed(self, op_id: int) -> bool:
         return any(op_id in g for g in self.recompute)
 
-    def explain(self, *, per_op: bool = False) -> str:
-        """A readable table: module path, op, algorithm, pieces, devices, recompute."""
-        from jscaler.plan.explain import explain
-
-        return explain(self, per_op=per_op)
-
     # ---- JSON ------------------------------------------------------------------------
 
     def to_json(self) -> str:

@@ -36,12 +36,14 @@ __all__ = [
     "coshard",
     "decouple",
     "manual",
+    "node_with_leaves",
     "op_assign",
     "op_order",
     "op_trans",
     "recompute",
     "replicate",
     "split",
+    "split_problem",
 ]
 
 
@@ -146,19 +148,24 @@ def op_trans(plan: Plan, target, algo: Algorithm, n: int = 1) -> tuple[Plan, tup
         op = plan.pgraph.op(sub.op)
         tree = trees.get(sub.op, Node())
         if algo.kind == "replicate":
-            node = _pieces("replicate", None, n)
+            node = node_with_leaves("replicate", None, n)
         else:
             dim = algo.dim if classes is None else classes.dim_of(op, cls)
-            problem = _split_problem(op, tree, sub.path, dim, n)
+            problem = split_problem(op, tree, sub.path, dim, n)
             if problem and not lenient:
                 raise SplitError(problem)
-            node = _pieces("replicate", None, n) if problem else _pieces("split", dim, n)
+            node = (
+                node_with_leaves("replicate", None, n)
+                if problem
+                else node_with_leaves("split", dim, n)
+            )
         trees[sub.op] = tree.replace(sub.path, node)
         made.extend(SubOp(sub.op, sub.path + (i,)) for i in range(n))
     return plan.evolve(trees=trees), tuple(made)
 
 
-def _pieces(algo: str, dim, n: int) -> Node:
+def node_with_leaves(algo: str, dim, n: int) -> Node:
+    """A ``split`` (along ``dim``) or ``replicate`` node with ``n`` leaf pieces."""
     return Node(algo, dim, tuple(Node() for _ in range(n)))
 
 
@@ -198,7 +205,9 @@ def dim_extent(op: Op, tree: Node, path: tuple[int, ...], dim: str) -> int:
     return size
 
 
-def _split_problem(op: Op, tree: Node, path, dim, n: int) -> str | None:
+def split_problem(op: Op, tree: Node, path, dim, n: int) -> str | None:
+    """Why the sub-op of ``op`` at ``path`` in ``tree`` cannot be split ``n`` ways along
+    ``dim`` (a message naming the op), or None when it can."""
     where = op.where
     ann = op.annotation
     if ann is None:
@@ -242,7 +251,7 @@ def _coshard(plan: Plan, target, dim, colocate: int, n: int) -> tuple[Plan, tupl
         op = plan.pgraph.op(sub.op)
         tree = trees.get(sub.op, Node())
         d = dim if classes is None else classes.dim_of(op, cls)
-        problem = _split_problem(op, tree, sub.path, d, colocate)
+        problem = split_problem(op, tree, sub.path, d, colocate)
         if problem:
             raise SplitError(f"coshard: {problem}")
         device = tree.at(sub.path).device

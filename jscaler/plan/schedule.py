@@ -270,14 +270,6 @@ class Schedule:
             lines.append(f"  group {gi}: " + " ".join(map(str, g)))
         return "\n".join(lines)
 
-    def plot(self, path, cost=None):
-        """Draws the simulated timeline to a PNG at ``path`` (one row per device group);
-        returns the :class:`~jscaler.plan.timeline.Timeline`. See
-        :func:`jscaler.plan.plot.plot` (needs matplotlib)."""
-        from jscaler.plan.plot import plot
-
-        return plot(self, path, cost)
-
 
 def required_blocks(stages: int, microbatches: int, passes: int, split: bool) -> set[Block]:
     """Every F (each pass), B and (``split``) W block of a step."""

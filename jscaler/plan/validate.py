@@ -15,7 +15,7 @@ from jscaler.ir.vtensor import Mask, uncovered
 from jscaler.plan.cycles import find_cycle
 from jscaler.plan.pieces import op_pieces
 from jscaler.plan.plan import Node, Plan, SubOp
-from jscaler.plan.primitives import _split_problem
+from jscaler.plan.primitives import split_problem
 
 __all__ = ["validate"]
 
@@ -63,7 +63,7 @@ def _check_splits_and_devices(plan: Plan, op) -> None:
     tree = plan.tree(op.id)
     for path, node in _nodes(tree):
         if node.algo == "split":
-            problem = _split_problem(op, tree, path, node.dim, len(node.children))
+            problem = split_problem(op, tree, path, node.dim, len(node.children))
             if problem:
                 raise SplitError(problem)
     for path, leaf in tree.leaves():

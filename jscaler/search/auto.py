@@ -70,9 +70,9 @@ class IntraOp:
         return plan
 
     def _cache_path(self, graph: Graph, mesh: MeshSpec):
-        from jscaler._setup import cache_dir
         from jscaler.cost.cluster import get_cluster
         from jscaler.plan.plan import PLAN_FORMAT, graph_fingerprint
+        from jscaler.setup import cache_dir
 
         cluster = dataclasses.asdict(get_cluster(self.cluster))
         key = json.dumps(

@@ -1,4 +1,4 @@
-"""``plan.explain()``: a readable table of what a plan does to each module's ops."""
+"""``explain(plan)``: a readable table of what a plan does to each module's ops."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def _devices(devs) -> str:
 
 
 def explain(plan: Plan, *, per_op: bool = False) -> str:
-    """One row per (module path, primitive, transformation); ``per_op`` for every op."""
+    """A readable table of ``plan``: module path, op, algorithm, pieces, devices,
+    recompute; one row per (module path, primitive, transformation), or with ``per_op`` one
+    per op."""
     pg = plan.pgraph
     rows = []
     for op in pg.all_ops:
