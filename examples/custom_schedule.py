@@ -40,8 +40,8 @@ def main():
         make(), gpt.loss, optax.sgd(0.1), batches[0], devices=8,
         plan=megatron(pp=2, dp=4), microbatches=4, schedule=reverse_gpipe,
     )  # fmt: skip
-    timeline = jscaler.simulate(trainer.schedule)
-    print(f"{trainer.schedule.name}: bubble {timeline.bubble():.1%} (unit costs), "
+    timeline = jscaler.simulate(trainer.program.schedule)
+    print(f"{trainer.program.schedule.name}: bubble {timeline.bubble():.1%} (unit costs), "
           f"in flight per stage {timeline.in_flight()}")  # fmt: skip
     est = trainer.timeline("reverse_gpipe.json")  # the cost model's timeline, for Perfetto
     print(f"predicted step {est.step_time * 1e3:.2f} ms on {est.cluster}; wrote reverse_gpipe.json")

@@ -31,7 +31,9 @@ def worker():
         plan=megatron(pp=2, dp=4), microbatches=4,
     )  # fmt: skip
     me = jax.process_index()
-    stages = [sorted({d.process_index for d in st.low.mesh.devices.flat}) for st in trainer.stages]
+    stages = [
+        sorted({d.process_index for d in st.low.mesh.devices.flat}) for st in trainer.program.stages
+    ]
     for step in range(5):
         metrics = trainer.step(gpt.synthetic_batch(cfg, 16, seed=step))
         if me == 0:

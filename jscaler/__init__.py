@@ -45,6 +45,7 @@ from jscaler.ir import VTensor as VTensor
 from jscaler.ir import check_annotations as check_annotations
 from jscaler.ir import register_op as register_op
 from jscaler.ir import trace as trace
+from jscaler.plan import AnyPlan as AnyPlan
 from jscaler.plan import Block as Block
 from jscaler.plan import DimClasses as DimClasses
 from jscaler.plan import MeshSpec as MeshSpec
@@ -71,9 +72,10 @@ from jscaler.plan import split as split
 from jscaler.plan import stage_of_ops as stage_of_ops
 from jscaler.plan import validate as validate
 from jscaler.runtime import ParallelStep as ParallelStep
-from jscaler.runtime import PipelineTrainer as PipelineTrainer
+from jscaler.runtime import Program as Program
 from jscaler.runtime import Space as Space
 from jscaler.runtime import Trainer as Trainer
+from jscaler.runtime import TrainState as TrainState
 from jscaler.runtime import grad as grad
 from jscaler.runtime import parallelize as parallelize
 from jscaler.runtime import parallelize_step as parallelize_step
@@ -83,8 +85,8 @@ from jscaler.search import intra_op as intra_op
 from jscaler.search import propagate as propagate
 from jscaler.version import __version__ as __version__
 
-
 __all__ = [
+    "AnyPlan",
     "Annotation",
     "AnnotationError",
     "AssignmentError",
@@ -127,8 +129,8 @@ __all__ = [
     "parallelize_step",
     "ParallelStep",
     "PipelinePlan",
-    "PipelineTrainer",
     "Plan",
+    "Program",
     "PlanError",
     "propagate",
     "PTensor",
@@ -150,6 +152,7 @@ __all__ = [
     "trace",
     "TraceError",
     "Trainer",
+    "TrainState",
     "UnsupportedOpError",
     "validate",
     "value_and_grad",

@@ -287,19 +287,21 @@ def pipelined(name):
 def test_three_f_one_b_matches_one_device(name):
     trainer = pipelined(name)
     m = PIPELINES[name][1]
-    sched = trainer.schedule
+    sched = trainer.program.schedule
     assert sched.passes == 3
-    assert [tuple(g) for g in trainer.log.blocks] == [tuple(g) for g in sched.groups]
-    for g in trainer.log.blocks:  # three forwards per micro-batch on every stage, one backward
+    assert [tuple(g) for g in trainer.program.log.blocks] == [tuple(g) for g in sched.groups]
+    for (
+        g
+    ) in trainer.program.log.blocks:  # three forwards per micro-batch on every stage, one backward
         kinds = [b.kind for b in g]
         assert kinds.count("F") == 3 * m and kinds.count("B") == m
     p = len(sched.groups)
-    assert trainer.log.in_flight == sched.in_flight() == [p - s for s in range(p)]
+    assert trainer.program.log.in_flight == sched.in_flight() == [p - s for s in range(p)]
 
 
 def test_every_pass_is_cut_into_the_same_stages():
     trainer = pipelined("megatron(pp=2)")
-    programs = trainer._programs
+    programs = trainer.program.driver.programs
     assert [(st.pass_, st.stage) for st in programs] == [(k, s) for k in range(3) for s in range(2)]
     for st in programs:  # two Evoformer blocks per stage, in every pass
         blocks = {o.path.split("/")[1] for o in st.ops if top(o.path) == "evoformer"}

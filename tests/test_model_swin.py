@@ -226,11 +226,13 @@ def assert_pipeline_parity(model_name, plan, schedule, m):
 
 def test_pipeline_1f1b_two_stages_matches_one_device():
     trainer = assert_pipeline_parity("swin-tiny", megatron(pp=2), one_f_one_b, 2)
-    names = [{trainer.graph.tensors[t].name for t in st.params} for st in trainer.stages]
+    names = [{trainer.graph.tensors[t].name for t in st.params} for st in trainer.program.stages]
     assert "patch_embed/kernel" in names[0] and "head/kernel" in names[1]
     blocks = [{n.split("/")[1] for n in s if n.startswith("blocks/")} for s in names]
     assert blocks[0] and blocks[1] and not blocks[0] & blocks[1]
-    assert [tuple(g) for g in trainer.log.blocks] == [tuple(g) for g in trainer.schedule.groups]
+    assert [tuple(g) for g in trainer.program.log.blocks] == [
+        tuple(g) for g in trainer.program.schedule.groups
+    ]
 
 
 def test_megatron_splits_heads_and_mlp_features_not_the_residual_stream():

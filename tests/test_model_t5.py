@@ -203,7 +203,7 @@ def assert_pipeline_parity(model_name, plan, schedule, m):
 
 def test_one_f_one_b_pipeline_matches_one_device():
     trainer = assert_pipeline_parity(NAME, megatron(pp=2), one_f_one_b, 2)
-    names = [{trainer.graph.tensors[t].name for t in st.params} for st in trainer.stages]
+    names = [{trainer.graph.tensors[t].name for t in st.params} for st in trainer.program.stages]
     # the encoder on the first stage, the decoder on the second; the tied table on both
     assert any(n.startswith("encoder/blocks/") for n in names[0])
     assert not any(n.startswith("decoder/blocks/") for n in names[0])
@@ -217,7 +217,7 @@ def test_interlaced_pipeline_matches_one_device():
     from spaces import interlaced
 
     trainer = assert_pipeline_parity(NAME, interlaced(pp=2, tp=2), interlaced_head, 2)
-    embed, first, last, head = trainer.stages
+    embed, first, last, head = trainer.program.stages
     assert len(embed.low.mesh.devices.flat) == 8 and embed.group == 2
     assert head.group == 2 and any("lm_head" in o.path or o.path == "" for o in head.ops)
     names = {trainer.graph.tensors[t].name for t in embed.params}
@@ -227,4 +227,6 @@ def test_interlaced_pipeline_matches_one_device():
     assert embed.sharding(table).spec[0] == "tp"  # vocabulary split 8 ways
     assert {d.id for d in first.low.mesh.devices.flat} == {0, 1, 2, 3}
     assert {d.id for d in last.low.mesh.devices.flat} == {4, 5, 6, 7}
-    assert [tuple(g) for g in trainer.log.blocks] == [tuple(g) for g in trainer.schedule.groups]
+    assert [tuple(g) for g in trainer.program.log.blocks] == [
+        tuple(g) for g in trainer.program.schedule.groups
+    ]

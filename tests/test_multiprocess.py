@@ -43,10 +43,11 @@ def test_the_stacked_handoff_in_one_process(monkeypatch):
 
     from test_pipeline import assert_pipeline_parity
 
-    monkeypatch.setattr(pipeline, "_multi_process", lambda: True)
+    monkeypatch.setattr(pipeline, "multi_process", lambda: True)
     trainer = assert_pipeline_parity("gpt-tiny", megatron(tp=2, pp=2), interleaved_1f1b, 4)
-    assert type(trainer._handoff).__name__ == "Stacked"
-    assert trainer._handoff.mesh.axis_names == ("pipe", "dp", "tp")
+    handoff = trainer.program.driver.handoff
+    assert type(handoff).__name__ == "Stacked"
+    assert handoff.mesh.axis_names == ("pipe", "dp", "tp")
 
 
 def test_a_launched_command_that_fails_reports_the_failure():

@@ -52,4 +52,4 @@ def test_a_searched_3f1b_order_trains_a_recycling_model_like_one_device():
     trainer = assert_parity(
         "recycler-tiny", alphafold_3f1b(pp=2), microbatches=2, schedule=found.schedule
     )
-    assert trainer.schedule.name == "searched_3f1b"
+    assert trainer.program.schedule.name == "searched_3f1b"

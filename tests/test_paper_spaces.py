@@ -24,20 +24,20 @@ def test_deepspeed_is_zero3_over_dp_on_megatron_tp():
 
 def test_megatron_3d_pipelines_even_layers():
     trainer = pipeline_parity("gpt-tiny", megatron_3d(tp=2, pp=2), 2)
-    assert trainer.schedule.name == "one_f_one_b" and len(trainer.stages) == 2
+    assert trainer.program.schedule.name == "one_f_one_b" and len(trainer.program.stages) == 2
 
 
 def test_alphafold_3f1b_brings_its_schedule():
     trainer = pipeline_parity("recycler-tiny", alphafold_3f1b(pp=2), 2)
-    assert trainer.schedule.name == "three_f_one_b" and trainer.schedule.passes == 3
+    assert trainer.program.schedule.name == "three_f_one_b" and trainer.program.schedule.passes == 3
 
 
 def test_interlaced_brings_its_schedule_with_the_head_on_every_device():
     trainer = pipeline_parity("gpt-tiny", interlaced(pp=2, tp=2), 2)
-    sched = trainer.schedule
+    sched = trainer.program.schedule
     assert sched.name == "interlaced_head" and sched.whole == (2,)
     assert sched.placement == (2, 0, 1, 2)  # embedding and head on the all-device group
-    head = [st for st in trainer.stages if st.stage == 3]
+    head = [st for st in trainer.program.stages if st.stage == 3]
     assert any("lm_head" in o.path for st in head for o in st.ops)
     with pytest.raises(jscaler.ScheduleError, match="use the plan's own schedule"):
         pipeline_parity("gpt-tiny", interlaced(pp=2, tp=2), 2, schedule=interlaced_schedule)

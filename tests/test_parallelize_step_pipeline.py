@@ -38,8 +38,8 @@ def test_linen_train_state_step_under_a_pipeline_equals_one_device(
     state, got = run(step)
     mm = compare(got, reference)
     assert mm.ok, "\n".join(mm.lines[:10])
-    (entry,) = step._cache.values()
-    stages = entry.stages.stages
+    (entry,) = step.programs.values()
+    stages = entry.driver.stages
     assert len(stages) == 2 and all(st.params for st in stages)  # two stages, both trained
     kernel = state.params["Dense_0"]["kernel"]  # the update layout: over every device
     assert isinstance(kernel.sharding, NamedSharding) and len(kernel.sharding.device_set) == 8

@@ -74,34 +74,34 @@ def gpt_trainer(expr, schedule, m):
 )
 def test_gpt_tiny_pipeline_matches_one_device(expr, schedule, m):
     trainer = gpt_trainer(expr, schedule, m)
-    sched = trainer.schedule
+    sched = trainer.program.schedule
     # the driver ran exactly the schedule, group by group, in its order
-    assert [tuple(g) for g in trainer.log.blocks] == [tuple(g) for g in sched.groups]
+    assert [tuple(g) for g in trainer.program.log.blocks] == [tuple(g) for g in sched.groups]
     # and held the activations the schedule says (until W for a split backward)
     release = "W" if sched.split_backward else "B"
-    assert trainer.log.in_flight == sched.in_flight(release)
+    assert trainer.program.log.in_flight == sched.in_flight(release)
 
 
 def test_in_flight_activations_m_for_gpipe_at_most_p_for_1f1b():
-    assert gpt_trainer("megatron(pp=2)", "gpipe", 2).log.in_flight == [2, 2]
-    assert gpt_trainer("megatron(tp=2, pp=4)", "zero_bubble", 4).log.in_flight[0] <= 4
+    assert gpt_trainer("megatron(pp=2)", "gpipe", 2).program.log.in_flight == [2, 2]
+    assert gpt_trainer("megatron(tp=2, pp=4)", "zero_bubble", 4).program.log.in_flight[0] <= 4
     one = gpt_trainer("megatron(pp=4)", "one_f_one_b", 4)
-    assert one.log.in_flight == [4, 3, 2, 1]  # p - s: stage s waits for p - s - 1 others
+    assert one.program.log.in_flight == [4, 3, 2, 1]  # p - s: stage s waits for p - s - 1 others
 
 
 def test_stages_are_balanced_layers_with_the_embedding_first_and_head_last():
     trainer = gpt_trainer("megatron(pp=4)", "one_f_one_b", 4)
-    names = [{trainer.graph.tensors[t].name for t in st.params} for st in trainer.stages]
+    names = [{trainer.graph.tensors[t].name for t in st.params} for st in trainer.program.stages]
     assert "embed/embedding" in names[0] and "lm_head/kernel" in names[3]
     for s in range(4):
         assert {n.split("/")[1] for n in names[s] if n.startswith("blocks/")} == {str(s)}
-    assert [st.batch != [] for st in trainer.stages] == [True, False, False, True]
+    assert [st.batch != [] for st in trainer.program.stages] == [True, False, False, True]
 
 
 @pytest.mark.parametrize("model_name", ["mlp-tiny", "convnet-tiny"])
 def test_models_without_repeated_layers_cut_by_flops(model_name):
     trainer = assert_pipeline_parity(model_name, megatron(pp=2), one_f_one_b, 4)
-    flops = [sum(o.flops for o in st.ops) for st in trainer.stages]
+    flops = [sum(o.flops for o in st.ops) for st in trainer.program.stages]
     assert all(f > 0 for f in flops)
 
 
@@ -125,7 +125,7 @@ def test_explicit_cuts_and_a_custom_schedule_function():
     got = trainer_steps(trainer, batches(spec))
     mm = compare(got, reference("gpt-tiny"))
     assert mm.ok, "\n".join(mm.lines[:10])
-    stage1 = {trainer.graph.tensors[t].name for t in trainer.stages[1].params}
+    stage1 = {trainer.graph.tensors[t].name for t in trainer.program.stages[1].params}
     assert "blocks/2/attn/q_proj/kernel" in stage1
     assert not any(n.startswith("blocks/1/") for n in stage1)
 
@@ -167,7 +167,7 @@ def test_tied_weight_lives_on_both_stages_and_its_gradients_are_summed(optimizer
         params, tied_loss, optimizer, data[0], devices=8, plan=megatron(pp=2), microbatches=4
     )
     w_in = next(t for t in trainer.graph.inputs if trainer.graph.tensors[t].name == "w_in")
-    assert [w_in in st.params for st in trainer.stages] == [True, True]
+    assert [w_in in st.params for st in trainer.program.stages] == [True, True]
     want = reference_steps(params, tied_loss, optimizer, data)
     mm = compare(trainer_steps(trainer, data), want)
     assert mm.ok, "\n".join(mm.lines[:10])
@@ -231,13 +231,15 @@ def test_interlaced_embedding_over_all_devices_matches_one_device():
 
     plan = interlaced(pp=2, tp=2, head=False)
     trainer = assert_pipeline_parity("gpt-tiny", plan, interlaced_schedule, 4)
-    embed, first, last = trainer.stages
+    embed, first, last = trainer.program.stages
     assert len(embed.low.mesh.devices.flat) == 8 and embed.group == 2
     assert [trainer.graph.tensors[t].name for t in embed.params] == ["embed/embedding"]
     (table,) = embed.params
     assert embed.sharding(table).spec[0] == "tp"  # vocabulary split 8 ways
     assert {d.id for d in first.low.mesh.devices.flat} == {0, 1, 2, 3}
-    assert [tuple(g) for g in trainer.log.blocks] == [tuple(g) for g in trainer.schedule.groups]
+    assert [tuple(g) for g in trainer.program.log.blocks] == [
+        tuple(g) for g in trainer.program.schedule.groups
+    ]
 
 
 def test_an_interlaced_plan_needs_the_interlaced_schedule():

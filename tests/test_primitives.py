@@ -102,9 +102,9 @@ def test_recompute_of_a_subgraph_keeps_parity_and_remats():
     plan = jscaler.validate(plan)
     assert plan.is_recomputed(g.select("blocks/1/mlp").ops[0].id)
     trainer = assert_parity("gpt-tiny", plan)
-    low = trainer._low
+    low = trainer.program.low
     spec = models.get("gpt-tiny")
-    leaves_ = [*trainer._params, *trainer._state]
+    leaves_ = [*trainer.state.params, *trainer.state.model_state]
     batch = jax.tree_util.tree_leaves(spec.batch(8, 0))
     grad_jaxpr = jax.make_jaxpr(jax.grad(lambda *a: low.forward(*a)[0]))(*leaves_, *batch)
     assert "remat" in str(grad_jaxpr) or "checkpoint" in str(grad_jaxpr)

@@ -41,23 +41,23 @@ def trained(expr, m, schedule=three_f_one_b):
 )
 def test_three_f_one_b_on_a_recycling_model_matches_one_device(expr, m):
     trainer = trained(expr, m)
-    sched = trainer.schedule
+    sched = trainer.program.schedule
     assert sched.passes == 3
-    assert [tuple(g) for g in trainer.log.blocks] == [tuple(g) for g in sched.groups]
+    assert [tuple(g) for g in trainer.program.log.blocks] == [tuple(g) for g in sched.groups]
     # three forwards per micro-batch on every stage, one backward
-    for g in trainer.log.blocks:
+    for g in trainer.program.log.blocks:
         kinds = [b.kind for b in g]
         assert kinds.count("F") == 3 * m and kinds.count("B") == m
     # only the last pass keeps activations: 1F1B's memory, p - s on stage s
     p = len(sched.groups)
-    assert trainer.log.in_flight == sched.in_flight() == [p - s for s in range(p)]
+    assert trainer.program.log.in_flight == sched.in_flight() == [p - s for s in range(p)]
 
 
 def test_every_pass_is_cut_into_the_same_stages():
     trainer = trained("megatron(pp=2)", 2)
-    programs = trainer._programs
+    programs = trainer.program.driver.programs
     assert [(st.pass_, st.stage) for st in programs] == [(k, s) for k in range(3) for s in range(2)]
-    names = [{trainer.graph.tensors[t].name for t in st.params} for st in trainer.stages]
+    names = [{trainer.graph.tensors[t].name for t in st.params} for st in trainer.program.stages]
     assert any(n.startswith("blocks/0/") for n in names[0])
     assert not any(n.startswith("blocks/0/") for n in names[1])
     for st in programs:
@@ -72,7 +72,7 @@ def test_every_pass_is_cut_into_the_same_stages():
 
 def test_a_one_pass_schedule_also_trains_a_recycling_model():
     trainer = trained("megatron(pp=2)", 2, one_f_one_b)
-    assert len(trainer._programs) == 2
+    assert len(trainer.program.driver.programs) == 2
 
 
 def graph_of(loss):
@@ -122,8 +122,10 @@ def test_a_model_that_does_not_recycle_is_refused_by_three_f_one_b():
 
 def test_table7_constraints_train_the_recycling_model():
     trainer = trained("megatron(tp=2, pp=2)", 4, table7_3f1b)
-    assert [tuple(g) for g in trainer.log.blocks] == [tuple(g) for g in trainer.schedule.groups]
-    assert trainer.log.in_flight == [2, 1]
+    assert [tuple(g) for g in trainer.program.log.blocks] == [
+        tuple(g) for g in trainer.program.schedule.groups
+    ]
+    assert trainer.program.log.in_flight == [2, 1]
 
 
 def test_zero3_prefetch_leaves_recycled_layers_alone():

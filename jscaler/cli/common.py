@@ -72,7 +72,7 @@ def describe(trainer) -> str:
     plan = trainer.plan
     if hasattr(plan, "mesh"):
         return f"plan {plan.name} on {plan.mesh.size} devices ({plan.mesh})"
-    sched = trainer.schedule
+    sched = trainer.program.schedule
     groups = ", ".join(
         f"{list(g.devices)[0]}-{list(g.devices)[-1]} ({g.plan.mesh})" for g in plan.groups
     )

@@ -13,6 +13,7 @@ from jscaler.plan.helpers import recompute_layers as recompute_layers
 from jscaler.plan.helpers import shard_dim as shard_dim
 from jscaler.plan.helpers import split_classes as split_classes
 from jscaler.plan.helpers import split_ops as split_ops
+from jscaler.plan.kind import AnyPlan as AnyPlan
 from jscaler.plan.mesh import MeshSpec as MeshSpec
 from jscaler.plan.order import order_schedule as order_schedule
 from jscaler.plan.pieces import Piece as Piece

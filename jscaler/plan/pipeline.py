@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph, Literal
@@ -73,6 +74,7 @@ class PipelinePlan:
     cuts: tuple[int, ...] | None = None
     whole: tuple[int, ...] = ()
     schedule: Callable | None = None
+    is_pipeline: ClassVar[bool] = True  # see jscaler.plan.kind.AnyPlan
 
     def __post_init__(self):
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -101,6 +103,16 @@ class PipelinePlan:
     def devices(self) -> tuple[int, ...]:
         """Every device some group uses, in first-use order."""
         return tuple(dict.fromkeys(d for g in self.groups for d in g.devices))
+
+    def describe(self) -> dict:
+        """What a process runs under this plan, JSON-able (see :class:`AnyPlan`): every
+        group's devices and plan, the cuts and the all-device groups."""
+        return {
+            "name": self.name,
+            "groups": [[list(g.devices), g.plan.to_json()] for g in self.groups],
+            "cuts": None if self.cuts is None else list(self.cuts),
+            "whole": list(self.whole),
+        }
 
     def validate(self, n_devices: int) -> PipelinePlan:
         """Each group's devices exist and its plan is valid on them."""

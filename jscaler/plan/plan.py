@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
+from typing import ClassVar
 
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
@@ -178,6 +179,7 @@ class Plan:
     fingerprint: str = ""
     name: str = ""
     regions: tuple[Region, ...] = ()
+    is_pipeline: ClassVar[bool] = False  # see jscaler.plan.kind.AnyPlan
 
     def __post_init__(self):
         object.__setattr__(self, "trees", MappingProxyType(dict(self.trees)))
@@ -251,6 +253,10 @@ class Plan:
         return any(op_id in g for g in self.recompute)
 
     # ---- JSON ------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """What a process runs under this plan, JSON-able (see :class:`AnyPlan`)."""
+        return {"plan": self.to_json()}
 
     def to_json(self) -> str:
         data = {

@@ -15,14 +15,17 @@ Parameters and optimizer state have the same global shapes under every plan, so 
 checkpoint restores under a different plan, device count or process count: orbax reads
 each array straight into the restoring trainer's own shardings.
 
-Every process of a multi-process run calls :func:`save` and :func:`restore` (through
-``trainer.save`` / ``trainer.restore``); orbax coordinates the writes.
+Both read and write a :class:`~jscaler.runtime.state.TrainState` with the shardings it
+lives on (``program.shardings()``) and the arrays' :class:`Names`. Every process of a
+multi-process run calls :func:`save` and :func:`restore` (through ``trainer.save`` /
+``trainer.restore``); orbax coordinates the writes.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,25 +35,20 @@ import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
 from jscaler.errors import CheckpointError
+from jscaler.runtime.state import TrainState
 from jscaler.version import __version__
 
-__all__ = ["Checkpointable", "latest_step", "restore", "save"]
+__all__ = ["Names", "latest_step", "restore", "save"]
 
 
-class Checkpointable:
-    """``save`` / ``restore`` for :class:`Trainer` and :class:`PipelineTrainer` (both
-    delegate to this module's functions)."""
+@dataclass(frozen=True)
+class Names:
+    """What a trainer calls the arrays of its state: the parameters' and the state
+    variables' names (module paths), in the state's order, and the plan's name."""
 
-    def save(self, directory) -> Path:
-        """Saves parameters, optimizer state, model state and step count to
-        ``directory/<step>`` atomically; returns that path once it is on disk. See
-        :mod:`jscaler.runtime.checkpoint`."""
-        return save(self, directory)
-
-    def restore(self, directory, step: int | None = None) -> int:
-        """Loads the newest usable checkpoint in ``directory`` (or ``step``) into this
-        trainer's layouts, whatever plan or device count saved it; returns its step."""
-        return restore(self, directory, step)
+    params: tuple[str, ...]
+    model_state: tuple[str, ...]
+    plan: str = ""
 
 
 FORMAT = 1
@@ -64,22 +62,26 @@ _TMP = ocp.path.step.TMP_DIR_SUFFIX  # orbax names a save in progress "<step><_T
 Slot = tuple[str, Any, Sharding | None]
 
 
-def save(trainer, directory: str | os.PathLike) -> Path:
-    """Writes ``trainer``'s training state to ``directory/<step>``; returns that path.
+def save(directory: str | os.PathLike, state: TrainState, shardings: TrainState,
+         names: Names) -> Path:  # fmt: skip
+    """Writes ``state`` to ``directory/<step>``; returns that path.
 
     Returns once the checkpoint is complete on disk. The folder appears under its final
     name only then (orbax writes to a temporary name and renames it), so a save killed
     midway leaves no step folder, only a temporary one that :func:`restore` skips.
 
     Args:
-      trainer: a :class:`Trainer` or :class:`PipelineTrainer`.
       directory: the checkpoint folder (created if missing); each step gets a sub-folder.
+      state: the training state to save.
+      shardings: where its arrays live (a TrainState of shardings, ``None`` for a host
+        array): recorded so a restore knows the device count.
+      names: the arrays' names, checked on restore.
 
     Raises:
       CheckpointError: ``directory/<step>`` exists already.
     """
     directory = Path(directory).absolute()
-    step = int(trainer.step_count)
+    step = int(state.step)
     final = directory / str(step)
     if final.exists():
         raise CheckpointError(
@@ -87,13 +89,13 @@ def save(trainer, directory: str | os.PathLike) -> Path:
             f"further before saving again, or save to another directory"
         )
     directory.mkdir(parents=True, exist_ok=True)
-    slots = _slots(trainer)
+    slots = _slots(state, shardings, names)
     arrays = {
         g: {_key(i): _storable(v) for i, (_, v, _) in enumerate(items)}
         for g, items in slots.items()
         if items
     }
-    meta = {"format": FORMAT, "step": step, **_describe(trainer, slots)}
+    meta = {"format": FORMAT, "step": step, **_describe(names, slots)}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         ckptr.save(
             final,
@@ -104,26 +106,34 @@ def save(trainer, directory: str | os.PathLike) -> Path:
     return final
 
 
-def restore(trainer, directory: str | os.PathLike, step: int | None = None) -> int:
-    """Loads a checkpoint into ``trainer``, in its own layouts; returns the step loaded.
+def restore(
+    directory: str | os.PathLike,
+    like: TrainState,
+    shardings: TrainState,
+    names: Names,
+    step: int | None = None,
+) -> TrainState:
+    """Reads a checkpoint into a TrainState shaped like ``like`` and laid out on
+    ``shardings``; its ``step`` is the step loaded.
 
     Without ``step``, loads the newest usable checkpoint: folders left by an interrupted
     save, or whose metadata or arrays cannot be read, are skipped with a warning naming
     them. The saving trainer's plan, device count and process count do not matter.
 
     Args:
-      trainer: a :class:`Trainer` or :class:`PipelineTrainer` for the same model and
-        optimizer as the one that saved.
       directory: the folder given to :func:`save`.
+      like: a state of the same model and optimizer (its values are not read).
+      shardings: where the restored arrays go (``None``: a host array).
+      names: the arrays' names, which must match the checkpoint's.
       step: the step to load; ``None`` for the newest.
 
     Raises:
       CheckpointError: no usable checkpoint, the asked step is missing or damaged, or the
-        checkpoint's arrays do not fit the trainer's model and optimizer.
+        checkpoint's arrays do not fit the model and optimizer.
     """
     directory = Path(directory).absolute()
-    slots = _slots(trainer)
-    here = _describe(trainer, slots)
+    slots = _slots(like, shardings, names)
+    here = _describe(names, slots)
     if step is not None:
         path = directory / str(step)
         meta, problem = _read_meta(path)
@@ -153,8 +163,13 @@ def restore(trainer, directory: str | os.PathLike, step: int | None = None) -> i
             skipped.append(f"{path}: {reason}")
             warnings.warn(f"skipping checkpoint {skipped[-1]}", stacklevel=3)
             continue
-        _assign(trainer, restored, int(meta["step"]))
-        return s
+        opt_def = jax.tree_util.tree_structure(like.opt_state)
+        return TrainState(
+            restored["params"],
+            jax.tree_util.tree_unflatten(opt_def, restored["opt_state"]),
+            restored["state"],
+            int(meta["step"]),
+        )
     found = "; ".join(skipped) if skipped else "no step folder"
     raise CheckpointError(
         f"no usable checkpoint in {directory}: expected step folders written by "
@@ -177,65 +192,26 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 # ---- what a trainer holds -------------------------------------------------------------
 
 
-def _slots(trainer) -> dict[str, list[Slot]]:
-    """Per group (``GROUPS``), the arrays to save and the shardings to restore them to.
-
-    A :class:`PipelineTrainer`'s truth is its master parameters (sharded over every
-    pipeline device) and host copies of the state; a :class:`Trainer`'s its stored arrays.
-    """
-    graph = trainer.graph
-    names = {
-        role: [graph.tensors[t].name for t in graph.inputs if graph.tensors[t].role == role]
-        for role in ("param", "state")
-    }
-    opt = jax.tree_util.tree_flatten_with_path(trainer._opt_state)[0]
-    opt_shard = jax.tree_util.tree_leaves(trainer._opt_shard)
+def _slots(state: TrainState, shardings: TrainState, names: Names) -> dict[str, list[Slot]]:
+    """Per group (``GROUPS``), the arrays to save and the shardings to restore them to."""
+    opt = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+    opt_shard = jax.tree_util.tree_leaves(shardings.opt_state)
     opt_slots = [(jax.tree_util.keystr(p), v, s) for (p, v), s in zip(opt, opt_shard, strict=True)]
-    if _is_pipeline(trainer):
-        params = zip(trainer._master, trainer._master_shard)
-        state = [(trainer._state[t], None) for t in trainer._state_ids]
-    else:
-        params = zip(trainer._params, trainer._p_shard)
-        state = zip(trainer._state, trainer._s_shard)
+    params = zip(names.params, state.params, shardings.params, strict=True)
+    model = zip(names.model_state, state.model_state, shardings.model_state, strict=True)
     return {
-        "params": [(n, v, s) for n, (v, s) in zip(names["param"], params, strict=True)],
+        "params": list(params),
         "opt_state": opt_slots,
-        "state": [(n, v, s) for n, (v, s) in zip(names["state"], state, strict=True)],
+        "state": list(model),
     }
 
 
-def _assign(trainer, restored: dict[str, list], step: int) -> None:
-    """Makes ``restored`` (per group, arrays in this trainer's layouts) its state."""
-    opt_def = jax.tree_util.tree_structure(trainer._opt_state)
-    trainer._opt_state = jax.tree_util.tree_unflatten(opt_def, restored["opt_state"])
-    if _is_pipeline(trainer):
-        master = restored["params"]
-        trainer._master = master
-        trainer._state = dict(zip(trainer._state_ids, restored["state"]))
-        handoff = trainer._handoff
-        # as after an update: every stage gets its parameters from the master copy
-        stacked = jax.jit(handoff.broadcast)(master)
-        trainer._stage_params = handoff.stage_params(master, stacked)
-        trainer._stage_state = [
-            [jax.device_put(trainer._state[t], st.sharding(t)) for t in st.state]
-            for st in trainer.stages
-        ]
-    else:
-        trainer._params = restored["params"]
-        trainer._state = restored["state"]
-    trainer.step_count = step
-
-
-def _is_pipeline(trainer) -> bool:
-    return hasattr(trainer, "_master")
-
-
-def _describe(trainer, slots: dict[str, list[Slot]]) -> dict:
+def _describe(names: Names, slots: dict[str, list[Slot]]) -> dict:
     """The metadata that must match between saving and restoring trainers, plus where it
     came from."""
     return {
         "jscaler": __version__,
-        "plan": getattr(trainer.plan, "name", ""),
+        "plan": names.plan,
         "devices": len(_devices(slots)),
         "processes": jax.process_count(),
         **{g: [[label, list(np.shape(v)), _dtype(v)] for label, v, _ in slots[g]] for g in GROUPS},

@@ -9,7 +9,7 @@ compiled, turning that silent divergence into a :class:`~jscaler.errors.Distribu
 
 When a process dies mid-run, the others' next collective fails (gloo on CPU reports the
 closed connection at once) or, if they are not in one, jax.distributed's heartbeat
-(``JSCALER_HEARTBEAT_TIMEOUT``, see :func:`jscaler._setup.distributed_timeouts`)
+(``JSCALER_HEARTBEAT_TIMEOUT``, see :func:`jscaler.setup.distributed_timeouts`)
 terminates them. :func:`peer_failures_as_errors` wraps a trainer's ``step`` so the first
 case reads as a DistributedError saying a peer is gone, not as a bare runtime error.
 
@@ -29,10 +29,9 @@ import os
 import jax
 
 from jscaler.errors import DistributedError
-from jscaler.plan.pipeline import PipelinePlan
-from jscaler.plan.plan import Plan
-from jscaler.version import __version__
+from jscaler.plan.kind import AnyPlan
 from jscaler.plan.schedule import Schedule
+from jscaler.version import __version__
 
 __all__ = ["check_plan_agreement", "peer_failures_as_errors", "plan_digest"]
 
@@ -47,19 +46,12 @@ _CAUSES = (
 )
 
 
-def plan_digest(plan: Plan | PipelinePlan, schedule: Schedule | None = None, devices=()) -> str:
-    """A stable hash of what a process will run: the plan's JSON (which carries the graph
-    fingerprint), for a pipeline every group's devices and plan, the cuts and the
-    schedule's name, placement, micro-batches and block order, and the device ids."""
-    if isinstance(plan, PipelinePlan):
-        data = {
-            "name": plan.name,
-            "groups": [[list(g.devices), g.plan.to_json()] for g in plan.groups],
-            "cuts": None if plan.cuts is None else list(plan.cuts),
-            "whole": list(plan.whole),
-        }
-    else:
-        data = {"plan": plan.to_json()}
+def plan_digest(plan: AnyPlan, schedule: Schedule | None = None, devices=()) -> str:
+    """A stable hash of what a process will run: the plan's description (its JSON, which
+    carries the graph fingerprint; for a pipeline every group's devices and plan and the
+    cuts), the schedule's name, placement, micro-batches and block order, and the device
+    ids."""
+    data = plan.describe()
     if schedule is not None:
         data["schedule"] = {
             "name": schedule.name,
@@ -73,9 +65,7 @@ def plan_digest(plan: Plan | PipelinePlan, schedule: Schedule | None = None, dev
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def check_plan_agreement(
-    plan: Plan | PipelinePlan, schedule: Schedule | None = None, devices=()
-) -> None:
+def check_plan_agreement(plan: AnyPlan, schedule: Schedule | None = None, devices=()) -> None:
     """Raises DistributedError unless every process is about to run the same plan.
 
     A no-op in a single-process run. Each process publishes its :func:`plan_digest`

@@ -1,42 +1,44 @@
-"""PipelineTrainer: stages on device groups, a driver walking the schedule, one update.
+"""PipelineProgram: stages on device groups, a driver walking the schedule, one update.
 
-The driver dispatches the schedule's blocks in an order that respects their data
-dependencies and every group's own order (:meth:`Schedule.order`); JAX dispatches each
-program asynchronously, so groups run concurrently. Activations and their gradients move
-between groups' meshes with ``jax.device_put``. Parameter gradients accumulate per stage
-over micro-batches; a parameter read by several stages (a tied embedding and LM head)
-lives on each of them and its gradients are summed.
+The :class:`StageDriver` dispatches the schedule's blocks in an order that respects their
+data dependencies and every group's own order (:meth:`Schedule.order`); JAX dispatches
+each program asynchronously, so groups run concurrently. Activations and their gradients
+move between groups' meshes with ``jax.device_put``. Parameter gradients accumulate per
+stage over micro-batches; a parameter read by several stages (a tied embedding and LM
+head) lives on each of them and its gradients are summed.
 
 The optimizer sees the whole tree in one program over every pipeline device: master
 parameters and optimizer state are sharded over all of them (ZeRO-1 across the
 pipeline), so transforms such as ``clip_by_global_norm`` see every gradient. After the
-update each stage receives its parameters back in its storage layout.
+update each stage receives its parameters back in its storage layout. The master copy is
+the :class:`TrainState`'s ``params``; the stages' copies are derived from it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jscaler.compile.lower import lower
+from jscaler.cost.cluster import Cluster
+from jscaler.cost.estimate import Estimate
+from jscaler.cost.pipeline import estimate_pipeline
 from jscaler.errors import PlanError, ScheduleError
 from jscaler.ir.graph import Graph
 from jscaler.plan.pipeline import PipelinePlan, pass_of_ops, stage_of_ops
 from jscaler.plan.schedule import Block, Schedule
-from jscaler.runtime.checkpoint import Checkpointable
-from jscaler.runtime.distributed import peer_failures_as_errors
+from jscaler.runtime.batch import batch_leaves, microbatches
 from jscaler.runtime.handoff import handoff_for
 from jscaler.runtime.stages import Stage, build_stages
-from jscaler.runtime.trainer import batch_key, batch_leaves, check_finite, microbatches
+from jscaler.runtime.state import TrainState
 
-__all__ = ["DriverLog", "PipelineTrainer"]
+__all__ = ["DriverLog", "PipelineProgram", "StageDriver", "multi_process"]
 
 
 @dataclass
@@ -48,66 +50,16 @@ class DriverLog:
     in_flight: list[int] = field(default_factory=list)
 
 
-class PipelineTrainer(Checkpointable):
-    """Trains a model under a pipeline plan and schedule. Made by :func:`jscaler.parallelize`.
+class StageDriver:
+    """A pipeline plan's stage programs, the order the driver dispatches their blocks, and
+    the handoff of gradients to (and parameters from) the update mesh.
 
-    Same interface as :class:`Trainer`: ``step``, ``value_and_grad``, ``params``,
-    ``model``; plus ``schedule``, ``stages`` and ``log`` (the last step's :class:`DriverLog`).
+    Used by :class:`PipelineProgram` and by ``parallelize_step`` under a pipeline plan:
+    :meth:`run` takes the stages' parameters and state and the batch and returns the mean
+    loss and each stage's gradient contributions.
     """
 
-    def __init__(
-        self,
-        graph: Graph,
-        pplan: PipelinePlan,
-        schedule: Schedule,
-        devices: list,
-        optimizer: optax.GradientTransformation,
-        model_or_params,
-        batch_shapes: list[jax.ShapeDtypeStruct],
-        precision: str = "fp32",
-        *,
-        replan=None,
-    ):
-        self._build(graph, pplan, schedule, devices)
-        self._devices = devices
-        self._replan = replan
-        self._variants: dict = {}
-        self._key = batch_key(batch_shapes)
-        self.precision = precision
-        self._optimizer = optimizer
-        self._batch_shapes = batch_shapes
-        self._graphdef = self._sig.graphdef if self._sig.kind == "nnx" else None
-        self.step_count = 0
-        self.cluster = None  # set by parallelize: the cluster= it was given
-        self.optimizer_slots = 0  # set by parallelize: the optimizer's per-parameter state
-        p_leaves, s_leaves = self._sig.split(model_or_params)
-        self._master = [
-            jax.device_put(np.array(x), s) for x, s in zip(p_leaves, self._master_shard)
-        ]
-        tree = self._tree(self._master)
-        abstract = jax.eval_shape(optimizer.init, tree)
-        self._opt_shard = optax.tree_map_params(
-            optimizer,
-            lambda _, s: s,
-            abstract,
-            self._tree(self._master_shard),
-            transform_non_params=lambda _: self._rep,
-        )
-        self._opt_state = jax.jit(optimizer.init, out_shardings=self._opt_shard)(tree)
-        self._state = dict(zip(self._state_ids, [np.asarray(x) for x in s_leaves]))
-        by_id = dict(zip(self._param_ids, p_leaves))
-        self._stage_params = [
-            [jax.device_put(np.array(by_id[t]), st.sharding(t)) for t in st.params]
-            for st in self.stages
-        ]
-        self._stage_state = [
-            [jax.device_put(self._state[t], st.sharding(t)) for t in st.state] for st in self.stages
-        ]
-        self._update_fn = None
-
-    def _build(self, graph: Graph, pplan: PipelinePlan, schedule: Schedule, devices: list):
-        """The stage programs, the driver's order and the handoff to the update mesh (no
-        parameters yet: ``_stage_params`` and ``_stage_state`` are set by the caller)."""
+    def __init__(self, graph: Graph, pplan: PipelinePlan, schedule: Schedule, devices: list):
         if len(schedule.groups) != len(pplan.groups):
             raise ScheduleError(
                 f"schedule {schedule.name!r} runs on {len(schedule.groups)} device groups; "
@@ -119,116 +71,53 @@ class PipelineTrainer(Checkpointable):
                 f"{len(graph.outputs) - 1} state variable(s)); use a plan without pp"
             )
         schedule.check()
-        self.graph = graph
-        self.pplan = pplan
-        self.plan = pplan  # what tables and the CLI print
-        self.schedule = schedule
-        self._m = schedule.microbatches
-        self._sig = graph.signature
+        self.graph, self.plan, self.schedule = graph, pplan, schedule
+        self.microbatches = schedule.microbatches
         lowered = [lower(g.plan, [devices[d] for d in g.devices]) for g in pplan.groups]
         pass_of = pass_of_ops(graph, schedule.passes)
         stage_of = stage_of_ops(graph, schedule.stages, pplan.cuts, pass_of)
         dtypes = {t: graph.tensors[t].dtype for t in graph.inputs}
         # one program set per (pass, stage); the last pass's are the stages proper
-        self._programs = build_stages(lowered, schedule.placement, stage_of, dtypes, pass_of)
-        self.stages: list[Stage] = self._programs[-schedule.stages :]
-        self._order = [b for rnd in schedule.order() for b in rnd]
-        self._producer = {t: st.index for st in self._programs for t in st.acts_out}
+        self.programs: list[Stage] = build_stages(
+            lowered, schedule.placement, stage_of, dtypes, pass_of
+        )
+        self.stages: list[Stage] = self.programs[-schedule.stages :]
+        self.order = [b for rnd in schedule.order() for b in rnd]
+        self.producer = {t: st.index for st in self.programs for t in st.acts_out}
         self.log = DriverLog()
-        self._param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
-        self._state_ids = [t for t in graph.inputs if graph.tensors[t].role == "state"]
-        self._batch_ids = [t for t in graph.inputs if graph.tensors[t].role == "batch"]
+        self.param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
+        self.state_ids = [t for t in graph.inputs if graph.tensors[t].role == "state"]
+        self.batch_ids = [t for t in graph.inputs if graph.tensors[t].role == "batch"]
         read = {t for st in self.stages for t in st.params}
-        unused = [graph.tensors[t].name for t in self._param_ids if t not in read]
+        unused = [graph.tensors[t].name for t in self.param_ids if t not in read]
         if unused:
             raise PlanError(f"parameter {unused[0]!r} is read by no stage")
         # the update runs on every pipeline device (see jscaler.runtime.handoff)
-        shapes = [graph.tensors[t].shape for t in self._param_ids]
-        self._handoff = handoff_for(
-            self.stages, devices, pplan, self._param_ids, shapes, stacked=_multi_process()
-        )
-        self._rep = self._handoff.rep
-        self._master_shard = self._handoff.master
-
-    _BUILT = (
-        "graph", "pplan", "plan", "schedule", "_m", "_sig", "_programs", "stages", "_order",
-        "_producer", "log", "_param_ids", "_state_ids", "_batch_ids", "_handoff", "_rep",
-        "_master_shard", "_batch_shapes", "_update_fn",
-    )  # fmt: skip
-
-    def _for_batch(self, batch) -> None:
-        """Switches to the stages for this batch's shapes: a new shape is planned (from the
-        space given to ``parallelize``) and built once, then cached; the master parameters
-        and optimizer state move to its update layout if it differs, and every stage gets
-        its parameters from them."""
-        leaves = jax.tree_util.tree_leaves(batch)
-        key = batch_key(leaves)
-        if key == self._key or self._replan is None or len(leaves) != len(self._batch_ids):
-            return  # same shape, or batch_leaves explains the mismatch
-        self._variants[self._key] = {a: getattr(self, a) for a in self._BUILT}
-        attrs = self._variants.get(key)
-        if attrs is None:
-            graph, pplan, schedule, shapes = self._replan(batch)
-            self._build(graph, pplan, schedule, self._devices)
-            self._batch_shapes, self._update_fn = shapes, None
-        else:
-            for a, v in attrs.items():
-                setattr(self, a, v)
-        self._key = key
-        self._master = [jax.device_put(x, s) for x, s in zip(self._master, self._master_shard)]
-        opt_shard = optax.tree_map_params(
-            self._optimizer, lambda _, s: s, self._opt_state,
-            self._tree(self._master_shard), transform_non_params=lambda _: self._rep,
-        )  # fmt: skip
-        self._opt_shard = opt_shard
-        self._opt_state = jax.device_put(self._opt_state, opt_shard)
-        stacked = jax.jit(self._handoff.broadcast)(self._master)
-        self._stage_params = self._handoff.stage_params(self._master, stacked)
-        self._stage_state = [
-            [jax.device_put(self._state[t], st.sharding(t)) for t in st.state] for st in self.stages
-        ]
-
-    # ---- trees --------------------------------------------------------------------------
-
-    def _tree(self, leaves):
-        return jax.tree_util.tree_unflatten(self._sig.params_def, list(leaves))
-
-    @property
-    def params(self):
-        """The current parameters, gathered to full arrays (nnx State or your pytree)."""
-        return self._tree(
-            [np.asarray(multihost_utils.process_allgather(p, tiled=True)) for p in self._master]
+        shapes = [graph.tensors[t].shape for t in self.param_ids]
+        self.handoff = handoff_for(
+            self.stages, devices, pplan, self.param_ids, shapes, stacked=multi_process()
         )
 
-    @property
-    def model(self):
-        """For an nnx model: a new model holding the current parameters and state."""
-        if self._sig.kind != "nnx":
-            raise TypeError("model is for nnx models; use .params for a params pytree")
-        state = jax.tree_util.tree_unflatten(
-            self._sig.state_def, [self._state[t] for t in self._state_ids]
-        )
-        return nnx.merge(self._graphdef, self.params, state)
+    def stage_state(self, state: dict) -> list[list]:
+        """Per stage, the state variables it reads (``state``: tensor id -> host array)."""
+        return [[jax.device_put(state[t], st.sharding(t)) for t in st.state] for st in self.stages]
 
-    # ---- the driver ---------------------------------------------------------------------
-
-    def _split_batch(self, batch) -> list[list]:
+    def _split(self, batch: dict) -> list[list]:
         """Per stage program, per micro-batch: the batch leaves it reads, on its mesh.
-        Micro-batch j holds rows j, j+m, j+2m, ... (as the single-program trainer)."""
-        leaves = batch_leaves(batch, self._sig, self._batch_shapes)
-        m = self._m
-        host = {t: microbatches(np.asarray(x), m) for t, x in zip(self._batch_ids, leaves)}
+        Micro-batch j holds rows j, j+m, j+2m, ... (as the single-program step)."""
+        m = self.microbatches
+        host = {t: microbatches(np.asarray(x), m) for t, x in batch.items()}
         return [
             [[jax.device_put(host[t][:, j], st.sharding(t)) for t in st.batch] for j in range(m)]
-            for st in self._programs
+            for st in self.programs
         ]
 
-    def _run(self, batch):
-        """Runs every block of the schedule; returns (mean loss, per-param gradient
-        contributions, one per stage reading the param)."""
-        m, programs, n = self._m, self._programs, self.schedule.stages
+    def run(self, stage_params: list, stage_state: list, batch: dict):
+        """Runs every block of the schedule; returns (mean loss, per-stage parameter
+        gradients accumulated over the micro-batches). ``batch``: tensor id -> array."""
+        m, programs, n = self.microbatches, self.programs, self.schedule.stages
         last = len(programs) - n  # index of the last pass's stage 0
-        mb = self._split_batch(batch)
+        mb = self._split(batch)
         acts: dict = {}  # (tensor, microbatch, consumer stage) -> value on its mesh
         cots: dict = {}  # (tensor, microbatch, consumer stage) -> cotangent on producer mesh
         res: dict = {}  # (stage, microbatch) -> residuals
@@ -244,7 +133,7 @@ class PipelineTrainer(Checkpointable):
             a = [acts.pop((t, j, st.index)) for t in st.acts_in]
             f = [acts.pop((t, j, st.index)) for t in st.frozen]
             s = st.stage
-            return self._stage_params[s], a, f, self._stage_state[s], mb[st.index][j]
+            return stage_params[s], a, f, stage_state[s], mb[st.index][j]
 
         def keep(st, j, r):
             res[(st.stage, j)] = r
@@ -269,13 +158,13 @@ class PipelineTrainer(Checkpointable):
 
         def send_back(st, j, d_acts):
             for t, v in zip(st.acts_in, d_acts):
-                src = programs[self._producer[t]]
+                src = programs[self.producer[t]]
                 # same layout on this mesh first: across processes, device_put moves an
                 # array between device sets only shard for shard
                 v = jax.device_put(v, st.sharding(t))
                 cots[(t, j, st.index)] = jax.device_put(v, src.sharding(t))
 
-        for b in self._order:
+        for b in self.order:
             j = b.microbatch
             st = programs[b.pass_ * n + b.stage] if b.kind == "F" else programs[last + b.stage]
             log.blocks[st.group].append(b)
@@ -308,102 +197,208 @@ class PipelineTrainer(Checkpointable):
                 alive[b.stage] -= 1
                 add_grads(st, d_params)
         self.log = log
-        return self._handoff.scalar(_sum(losses)) / m, grads
+        return self.handoff.scalar(_sum(losses)) / m, grads
 
-    # ---- the update ---------------------------------------------------------------------
+
+class PipelineProgram:
+    """A :class:`~jscaler.runtime.program.Program` for a :class:`PipelinePlan` and a
+    :class:`Schedule`: the :class:`StageDriver` runs the stages, one jitted update over
+    every pipeline device applies the optimizer to the master parameters.
+
+    Attributes (besides the Program's): ``schedule``, ``driver`` (its ``stages``,
+    ``programs`` and ``log``, the last step's :class:`DriverLog`).
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        pplan: PipelinePlan,
+        schedule: Schedule,
+        devices: list,
+        optimizer: optax.GradientTransformation,
+        master: list[jax.ShapeDtypeStruct],
+        *,
+        batch_shapes: list[jax.ShapeDtypeStruct],
+        precision: str = "fp32",
+        slots: int = 0,
+    ):
+        self.driver = StageDriver(graph, pplan, schedule, devices)
+        self.graph, self.plan, self.schedule = graph, pplan, schedule
+        self.microbatches, self.batch_shapes = schedule.microbatches, batch_shapes
+        self.precision, self.optimizer, self.slots = precision, optimizer, slots
+        self.params_def = graph.signature.params_def
+        self.batch_def = graph.signature.batch_def
+        h = self.driver.handoff
+        opt_shard = optax.tree_map_params(
+            optimizer,
+            lambda _, s: s,
+            jax.eval_shape(optimizer.init, self.tree(master)),
+            self.tree(h.master),
+            transform_non_params=lambda _: h.rep,
+        )
+        n_state = len(self.driver.state_ids)
+        self._shardings = TrainState(list(h.master), opt_shard, [None] * n_state)
+        self._update_fn = None
+        self._staged: tuple = ((), None)  # (the master arrays, their stages' copies)
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self.driver.stages
+
+    @property
+    def log(self) -> DriverLog:
+        return self.driver.log
+
+    def tree(self, leaves):
+        return jax.tree_util.tree_unflatten(self.params_def, list(leaves))
+
+    def shardings(self) -> TrainState:
+        return self._shardings
+
+    def init(self, params: list, model_state: list) -> TrainState:
+        sh = self._shardings
+        master = [jax.device_put(np.array(x), s) for x, s in zip(params, sh.params)]
+        opt = jax.jit(self.optimizer.init, out_shardings=sh.opt_state)(self.tree(master))
+        return TrainState(master, opt, [np.asarray(x) for x in model_state])
+
+    # ---- the stages' copies of the state -------------------------------------------------
+
+    def _stage_inputs(self, state: TrainState) -> tuple[list, list]:
+        """Each stage's parameters (in its layout) and state, derived from the master copy;
+        kept while the master arrays are the same objects (they are replaced each step)."""
+        master, stage_params = self._staged
+        same = len(master) == len(state.params) and all(
+            a is b for a, b in zip(master, state.params)
+        )
+        if not same:
+            h = self.driver.handoff
+            stage_params = h.stage_params(state.params, jax.jit(h.broadcast)(state.params))
+            self._staged = (list(state.params), stage_params)
+        by_id = dict(zip(self.driver.state_ids, state.model_state))
+        return stage_params, self.driver.stage_state(by_id)
+
+    def _batch(self, batch) -> dict:
+        leaves = batch_leaves(batch, self.batch_def, self.batch_shapes)
+        return dict(zip(self.driver.batch_ids, leaves))
+
+    def _run(self, state: TrainState, batch):
+        stage_params, stage_state = self._stage_inputs(state)
+        return self.driver.run(stage_params, stage_state, self._batch(batch))
+
+    # ---- the update ------------------------------------------------------------------------
 
     def _build_update(self):
+        h = self.driver.handoff
+
         def update(master, opt_state, contributions):
-            g = [self._handoff.reduce(parts) for parts in contributions]
+            g = [h.reduce(parts) for parts in contributions]
             grad_norm = optax.tree.norm(g)
-            p_tree, g_tree = self._tree(master), self._tree(g)
-            updates, new_opt = self._optimizer.update(g_tree, opt_state, p_tree)
+            p_tree, g_tree = self.tree(master), self.tree(g)
+            updates, new_opt = self.optimizer.update(g_tree, opt_state, p_tree)
             new = jax.tree_util.tree_leaves(optax.apply_updates(p_tree, updates))
-            # a NaN/inf gradient leaves everything as it was (step() raises)
+            # a NaN/inf gradient leaves everything as it was (the trainer raises)
             ok = jnp.isfinite(grad_norm)
             keep = lambda a, b: jax.tree_util.tree_map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
             new, new_opt = keep(new, master), keep(new_opt, opt_state)
-            return new, new_opt, grad_norm, self._handoff.broadcast(new)
+            return new, new_opt, grad_norm, h.broadcast(new)
 
+        sh = self._shardings
         return jax.jit(
             update,
-            out_shardings=(self._master_shard, self._opt_shard, self._rep, None),
+            out_shardings=(sh.params, sh.opt_state, h.rep, None),
             donate_argnums=(0, 1),
         )
 
-    @peer_failures_as_errors
-    def step(self, batch) -> dict[str, float]:
-        """One training step: ``{"loss", "grad_norm"}`` (loss before the update).
-
-        Raises:
-          NonFiniteLossError: the loss or a gradient is NaN or infinite; the update was
-            not applied (a NaN loss is caught before the update runs).
-        """
-        self._for_batch(batch)
-        loss, grads = self._run(batch)
-        check_finite(float(loss), 0.0, self.step_count + 1)
+    def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
+        loss, grads = self._run(state, batch)
+        loss = float(loss)
+        if not math.isfinite(loss):  # caught before the update runs
+            return state, {"loss": loss, "grad_norm": float("nan")}
         if self._update_fn is None:
             self._update_fn = self._build_update()
-        self._master, self._opt_state, gnorm, stacked = self._update_fn(
-            self._master, self._opt_state, self._handoff.gradients(grads)
+        h = self.driver.handoff
+        master, opt, gnorm, stacked = self._update_fn(
+            state.params, state.opt_state, h.gradients(grads)
         )
-        self._stage_params = self._handoff.stage_params(self._master, stacked)
+        self._staged = (list(master), h.stage_params(master, stacked))
         gnorm = float(np.asarray(gnorm.addressable_data(0)))
-        check_finite(float(loss), gnorm, self.step_count + 1)
-        self.step_count += 1
-        return {"loss": float(loss), "grad_norm": gnorm}
+        done = math.isfinite(gnorm)
+        new = TrainState(master, opt, state.model_state, state.step + done)
+        return new, {"loss": loss, "grad_norm": gnorm}
 
-    def value_and_grad(self, batch):
-        """Loss and gathered gradients at the current parameters, without an update."""
-        self._for_batch(batch)
-        loss, grads = self._run(batch)
-        total = [self._handoff.gathered(parts) for parts in self._handoff.gradients(grads)]
-        return loss, self._tree(total)
+    def value_and_grad(self, state: TrainState, batch) -> tuple[float, list]:
+        loss, grads = self._run(state, batch)
+        h = self.driver.handoff
+        return float(loss), [h.gathered(parts) for parts in h.gradients(grads)]
 
-    def eval(self, batch) -> dict[str, float]:
-        """The loss on ``batch`` at the current parameters, without an update (the
-        schedule runs, its gradients are dropped): ``{"loss"}``."""
-        self._for_batch(batch)
-        loss, _ = self._run(batch)
+    def eval(self, state: TrainState, batch) -> dict[str, float]:
+        loss, _ = self._run(state, batch)
         return {"loss": float(loss)}
 
-    def export(self):
-        """The trained model as plain host arrays gathered from every device and process:
-        for an nnx model an ``nnx.State`` of all its variables (``nnx.update(model,
-        trainer.export())``), else the params pytree."""
-        if self._sig.kind != "nnx":
-            return self.params
-        state = [self._state[t] for t in self._state_ids]
-        return nnx.merge_state(
-            self.params, jax.tree_util.tree_unflatten(self._sig.state_def, state)
+    def compiled(self, state: TrainState, batch):
+        raise PlanError(
+            f"the pipeline {self.plan.name!r} runs one program per stage group and an update, "
+            f"not one compiled step; inspect trainer.program.stages instead"
         )
 
-    def estimate(self, cluster=None):
-        """The cost model's prediction of this pipeline's step (:class:`jscaler.Estimate`)
-        on ``cluster`` (default ``cpu``); its ``timeline`` holds the blocks' spans."""
-        from jscaler.runtime.preflight import predict
+    def comm_table(self):
+        raise PlanError("comm_table() covers single-program plans; a pipeline has one per group")
 
-        return predict(
-            self.pplan, cluster or self.cluster or "cpu", microbatches=self._m,
-            schedule=self.schedule, precision=self.precision, slots=self.optimizer_slots,
+    # ---- multi-process batches -------------------------------------------------------------
+
+    def global_batch(self, local_batch):
+        """The batch itself: every process of a pipeline reads the whole batch (each stage
+        group takes its micro-batches from it)."""
+        leaves = jax.tree_util.tree_leaves(local_batch)
+        for i, (x, want) in enumerate(zip(leaves, self.batch_shapes)):
+            if x.shape[0] != want.shape[0]:
+                raise PlanError(
+                    f"local batch leaf {i} has {x.shape[0]} rows; the pipeline "
+                    f"{self.plan.name!r} reads all {want.shape[0]} rows of the batch in "
+                    f"every process: pass the whole batch"
+                )
+        return local_batch
+
+    def local_rows(self, batch_size: int | None = None) -> tuple[int, int]:
+        rows = batch_size if batch_size is not None else self.batch_shapes[0].shape[0]
+        return 0, rows
+
+    # ---- predictions -----------------------------------------------------------------------
+
+    @staticmethod
+    def predict(
+        plan: PipelinePlan, cluster, *, microbatches: int, precision: str, slots: int, schedule
+    ) -> Estimate:
+        """The cost model's step for ``plan`` under ``schedule`` (before anything is
+        lowered); its ``timeline`` holds the blocks' spans."""
+        dtype = "bf16" if precision == "bf16" else "fp32"
+        return estimate_pipeline(
+            plan, cluster, microbatches=microbatches, schedule=schedule, dtype=dtype,
+            optimizer_slots=slots,
         )  # fmt: skip
 
-    def timeline(self, path: str, cluster=None):
-        """Writes the schedule's blocks at the durations the cost model predicts on
-        ``cluster``, one lane per device group, as a Chrome trace (``.json``) or a PNG
-        (``.png``); SIMULATED. Returns the :class:`jscaler.Estimate`."""
-        from jscaler.runtime.timeline import write_pipeline_timeline
+    def estimate(self, cluster: str | Cluster) -> Estimate:
+        return self.predict(
+            self.plan, cluster, microbatches=self.microbatches, precision=self.precision,
+            slots=self.slots, schedule=self.schedule,
+        )  # fmt: skip
+
+    def timeline(self, path: str, cluster: str | Cluster) -> Estimate:
+        from jscaler.report.timeline import write_pipeline_timeline
 
         est = self.estimate(cluster)
         title = (
-            f"{self.pplan.name} / {self.schedule.name} on {est.devices} x {est.cluster}: "
+            f"{self.plan.name} / {self.schedule.name} on {est.devices} x {est.cluster}: "
             f"bubble {est.bubble:.1%}, SIMULATED by the cost model"
         )
         write_pipeline_timeline(est.timeline, path, title)
         return est
 
-    def comm_table(self):
-        raise PlanError("comm_table() covers single-program plans; a pipeline has one per group")
+
+def multi_process() -> bool:
+    """Whether the run spans processes (then gradients and parameters move between the
+    stages and the update mesh as stacked arrays: :class:`jscaler.runtime.handoff.Stacked`)."""
+    return jax.process_count() > 1
 
 
 def _sum(values):
@@ -423,7 +418,3 @@ def _add(a, b):
 @jax.jit
 def _add_lists(a, b):
     return [x + y for x, y in zip(a, b)]
-
-
-def _multi_process() -> bool:
-    return jax.process_count() > 1

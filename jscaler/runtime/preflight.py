@@ -11,14 +11,10 @@ from __future__ import annotations
 import jax
 import optax
 
-from jscaler.cost.cluster import Cluster
-from jscaler.cost.estimate import Estimate, estimate
-from jscaler.cost.pipeline import estimate_pipeline
+from jscaler.cost.estimate import Estimate
 from jscaler.errors import OutOfMemoryError
-from jscaler.plan.pipeline import PipelinePlan
-from jscaler.plan.plan import Plan
 
-__all__ = ["check_memory", "device_capacity", "optimizer_slots", "predict"]
+__all__ = ["check_memory", "device_capacity", "optimizer_slots"]
 
 
 def optimizer_slots(optimizer: optax.GradientTransformation, params_tree) -> int:
@@ -42,25 +38,6 @@ def device_capacity(devices: list) -> float | None:
         if stats and stats.get("bytes_limit"):
             limits.append(stats["bytes_limit"])
     return min(limits) if limits else None
-
-
-def predict(
-    plan: Plan | PipelinePlan,
-    cluster: str | Cluster,
-    *,
-    microbatches: int,
-    schedule=None,
-    precision: str = "fp32",
-    slots: int = 0,
-) -> Estimate:
-    """The cost model's step for ``plan`` (SPMD or pipeline) on ``cluster``."""
-    dtype = "bf16" if precision == "bf16" else "fp32"
-    if isinstance(plan, PipelinePlan):
-        return estimate_pipeline(
-            plan, cluster, microbatches=microbatches, schedule=schedule, dtype=dtype,
-            optimizer_slots=slots,
-        )  # fmt: skip
-    return estimate(plan, cluster, dtype=dtype, microbatches=microbatches, optimizer_slots=slots)
 
 
 def check_memory(est: Estimate, capacity: float, where: str) -> None:

@@ -1,4 +1,8 @@
-"""The loss of a ``parallelize_step`` step computed with its lowered plan.
+"""``parallelize_step`` under a single-program plan: the whole step as one jitted program.
+
+:func:`compile_spmd` lowers the plan and jits the step: parameters in the plan's storage
+layouts, optimizer state in its update layout, the batch in its batch layouts
+(:mod:`jscaler.runtime.step.layouts`). The loss inside runs with the plan:
 
 Inside the jitted step, :func:`jscaler.value_and_grad` hands its capture to a
 :class:`StepRunner`: the captured inputs (parameters, an nnx model's other variables, the
@@ -11,16 +15,22 @@ batch inputs are split on axis 0 (locally to each data-parallel shard) and scann
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jscaler.compile.lower import Lowered
+from jscaler.compile.lower import Lowered, lower
 from jscaler.errors import TraceError
-from jscaler.runtime.autodiff import Captured
-from jscaler.runtime.trainer import microbatches
+from jscaler.plan.plan import Plan
+from jscaler.runtime.batch import microbatches
+from jscaler.runtime.builder import Prepared
+from jscaler.runtime.step.autodiff import Captured
+from jscaler.runtime.step.layouts import followers, in_shardings, out_shardings
+from jscaler.runtime.step.record import Traced, pure_step
 
-__all__ = ["Planned", "StepRunner", "check_captured"]
+__all__ = ["Planned", "SpmdEntry", "StepRunner", "check_captured", "compile_spmd"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,3 +146,41 @@ def check_captured(in_avals, extra_roles, microbatches: int, cap: Captured, vals
                 f"{want.dtype}{list(shape)}; values it closes over that come from the batch "
                 f"must keep the batch on axis 0"
             )
+
+
+@dataclass(frozen=True, eq=False)
+class SpmdEntry:
+    """The compiled step for one argument signature."""
+
+    planned: Planned
+    jitted: Any
+    in_shardings: tuple
+    mutable: tuple[tuple[int, int, int, Any], ...]  # (arg, first leaf, end leaf, treedef)
+
+    @property
+    def plan(self) -> Plan:
+        return self.planned.low.plan
+
+    def run(self, placed: list):
+        """(the step's result, the nnx objects' new leaves) from the placed leaves."""
+        return self.jitted(*placed)
+
+
+def compile_spmd(t: Traced, ready: Prepared) -> SpmdEntry:
+    """The step ``t`` as one jitted program under the checked single-program plan."""
+    cap, graph = t.cap, t.graph
+    low = lower(ready.plan, list(ready.devices))
+    roles = [graph.tensors[x].role for x in graph.inputs][len(cap.params) + len(cap.state) :]
+    planned = Planned(low, t.microbatches, cap.avals(), cap.out_avals(), roles, cap.n_aux)
+    in_sh = in_shardings(low, cap, t.src, t.micro, t.paths, t.owner, t.batch_argnum)
+    rep = NamedSharding(low.mesh, PartitionSpec())
+    out_sh, returned = out_shardings(followers(low, cap), rep, t.out_shape, t.paths, t.full, in_sh)
+    mut_args, mutated, mutable = t.mut
+    pure = pure_step(t.fn, t.tdef, len(t.full), mut_args, lambda: StepRunner(planned))
+    jitted = jax.jit(
+        pure,
+        in_shardings=tuple(in_sh),
+        out_shardings=(out_sh, [in_sh[k] for k in mutated]),
+        donate_argnums=t.donated(returned),
+    )
+    return SpmdEntry(planned, jitted, tuple(in_sh), tuple(mutable))

@@ -6,16 +6,16 @@ be one jitted program. :func:`jscaler.value_and_grad` marks where it splits:
 A. (MPMD, outside jit) the values the loss reads are computed from the step's arguments
    (a small jitted *prelude*: the step run up to its ``value_and_grad`` call, the rest
    dropped by XLA); each stage receives its parameters from them, and the pipeline
-   runtime (:class:`jscaler.runtime.pipeline.PipelineTrainer`'s stages and driver) runs
+   runtime (:class:`jscaler.runtime.pipeline.StageDriver`) runs
    the schedule over the micro-batches, returning the mean loss and the gradients on the
    update mesh of every pipeline device;
 B. (one jit over every pipeline device) the user's step runs as written, its
    ``value_and_grad`` returning those loss and gradients, so the optimizer update,
    metrics and ``TrainState`` bookkeeping are the user's own. Parameters and optimizer
    state stay in the update layout (split over every pipeline device, as a
-   ``PipelineTrainer``'s master parameters): nothing is gathered to one device.
+   pipeline program's master parameters): nothing is gathered to one device.
 
-Like :class:`PipelineTrainer`, the loss may not update model state (an nnx model's
+As under ``jscaler.parallelize``, the loss may not update model state (an nnx model's
 non-parameter variables, e.g. BatchNorm statistics), nor return aux.
 """
 
@@ -30,54 +30,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jscaler.errors import PlanError, TraceError
 from jscaler.plan.pipeline import PipelinePlan
-from jscaler.runtime.autodiff import Captured, handling
-from jscaler.runtime.distributed import check_plan_agreement
-from jscaler.runtime.parallelize import resolve_schedule
-from jscaler.runtime.pipeline import PipelineTrainer
-from jscaler.runtime.step import (
-    _NOT_CALLED,
-    _follow,
-    _out_shardings,
-    _pure,
-    _Recorder,
-)
-from jscaler.runtime.step_run import check_captured, once_per_step
-from jscaler.runtime.trainer import microbatches
+from jscaler.runtime.builder import Prepared
+from jscaler.runtime.pipeline import StageDriver
+from jscaler.runtime.step.autodiff import Captured, handling
+from jscaler.runtime.step.layouts import follow, out_shardings
+from jscaler.runtime.step.record import NOT_CALLED, Recorder, Traced, pure_step
+from jscaler.runtime.step.spmd import check_captured, once_per_step
 
-__all__ = ["compile_pipeline"]
-
-
-class _Stages(PipelineTrainer):
-    """A pipeline's stage programs and driver over parameters it does not own: each call
-    is handed the parameters (per stage, in its layout), the replicated values the loss
-    closes over and its batch values, and returns the mean loss and the gradient
-    contributions on the update mesh (``handoff.gradients``; ``handoff.reduce`` sums
-    them). Only ``_build``, ``_run`` and the handoff of the trainer are used."""
-
-    def __init__(self, graph, pplan, schedule, devices):
-        self._build(graph, pplan, schedule, devices)
-
-    def loss_and_grads(self, stage_params: list, state: dict, batch: dict):
-        self._stage_params = stage_params
-        self._stage_state = [
-            [jax.device_put(state[t], st.sharding(t)) for t in st.state] for st in self.stages
-        ]
-        self._batch = batch
-        try:
-            loss, grads = self._run(None)
-        finally:  # the caller's arrays are not kept between steps
-            self._stage_params = self._stage_state = self._batch = None
-        return loss, self._handoff.gradients(grads)
-
-    def _split_batch(self, _):
-        """Per stage program, per micro-batch: its batch values on its mesh (micro-batch j
-        holds rows j, j+m, ..., as the trainers split)."""
-        m = self._m
-        host = {t: microbatches(x, m) for t, x in self._batch.items()}
-        return [
-            [[jax.device_put(host[t][:, j], st.sharding(t)) for t in st.batch] for j in range(m)]
-            for st in self._programs
-        ]
+__all__ = ["PipelineEntry", "compile_pipeline"]
 
 
 class _Given:
@@ -103,7 +63,7 @@ class PipelineEntry:
     """The compiled two-part step for one argument signature."""
 
     plan: PipelinePlan
-    stages: _Stages
+    driver: StageDriver
     prelude: Any  # placed leaves -> (params in the update layout, extras, stacked params)
     jitted: Any  # placed leaves, loss, contributions -> (result, nnx objects' leaves)
     in_shardings: tuple
@@ -113,21 +73,21 @@ class PipelineEntry:
 
     def run(self, placed: list):
         params, extras, stacked = self.prelude(*placed)
-        handoff = self.stages._handoff
+        handoff = self.driver.handoff
         stage_params = handoff.stage_params(params, stacked)
         host = [np.asarray(x.addressable_data(0)) for x in extras]  # replicated
         state, batch = {}, {}
         for t, role, x in zip(self.extra_ids, self.extra_roles, host):
             (batch if role == "batch" else state)[t] = x
-        loss, contributions = self.stages.loss_and_grads(stage_params, state, batch)
+        loss, grads = self.driver.run(stage_params, self.driver.stage_state(state), batch)
+        contributions = handoff.gradients(grads)
         loss = jax.device_put(np.float32(loss), handoff.rep)
         return self.jitted(*placed, loss, contributions)
 
 
-def compile_pipeline(step, plan: PipelinePlan, devices, cap: Captured, graph, src, tdef, full,
-                     paths, owner, bi, out_shape, mut) -> PipelineEntry:  # fmt: skip
-    """The two-part step of ``step`` (a ``ParallelStep``) for the captured loss under the
-    pipeline ``plan``."""
+def compile_pipeline(t: Traced, ready: Prepared) -> PipelineEntry:
+    """The two-part step of ``t`` under the checked pipeline plan."""
+    plan, cap, graph = ready.plan, t.cap, t.graph
     if cap.n_aux:
         raise PlanError(
             f"the plan {plan.name or ''!r} is a pipeline, and its stages return the loss "
@@ -141,16 +101,14 @@ def compile_pipeline(step, plan: PipelinePlan, devices, cap: Captured, graph, sr
             f"variable(s) (e.g. {cap.state_names[0]!r}: BatchNorm statistics, RNG counts). "
             f"Use a plan without pp"
         )
-    plan.validate(len(devices))
-    sched = resolve_schedule(step._schedule, plan, step._m)
-    check_plan_agreement(plan, sched, devices)  # multi-process: all run the same plan
-    stages = _Stages(graph, plan, sched, devices)
-    handoff = stages._handoff
+    driver = StageDriver(graph, plan, ready.schedule, list(ready.devices))
+    handoff = driver.handoff
+    src, owner, bi, full, paths = t.src, t.owner, t.batch_argnum, t.full, t.paths
     n_p = len(cap.params)
     ids = list(graph.inputs[n_p:])
     roles = [graph.tensors[t].role for t in ids]
     # part B's layouts: parameters and their optimizer state as the update stores them
-    follow = {
+    layouts = {
         tuple(name.split("/")): (tuple(a.shape), sh)
         for name, a, sh in zip(cap.param_names, cap.avals(), handoff.master)
     }
@@ -161,28 +119,27 @@ def compile_pipeline(step, plan: PipelinePlan, devices, cap: Captured, graph, sr
         elif owner[k] == bi:
             in_sh.append(_rows(handoff, s))
         else:
-            in_sh.append(_follow(follow, paths[k][1:], s, handoff.rep))
-    out_sh, returned = _out_shardings(follow, handoff.rep, out_shape, paths, full, in_sh)
-    mut_args, mutated, mutable = mut
-    fn, n, m = step._fn, len(full), step._m
+            in_sh.append(follow(layouts, paths[k][1:], s, handoff.rep))
+    out_sh, returned = out_shardings(layouts, handoff.rep, t.out_shape, paths, full, in_sh)
+    mut_args, mutated, mutable = t.mut
+    fn, tdef, n, m = t.fn, t.tdef, len(full), t.microbatches
     in_avals, extra_roles = cap.avals(), roles
 
     def prelude(*leaves):
-        recorder = _Recorder()
+        recorder = Recorder()
         with handling(recorder):
             fn(*jax.tree_util.tree_unflatten(tdef, leaves))
         got = recorder.captured
         if got is None:
-            raise TraceError(_NOT_CALLED)
+            raise TraceError(NOT_CALLED)
         vals = [*got.params, *got.state, *got.extras]
         check_captured(in_avals, extra_roles, m, got, vals)
         return vals[:n_p], vals[n_p:], handoff.broadcast(vals[:n_p])
 
-    pure = _pure(fn, tdef, n, mut_args, lambda loss, parts: _Given(handoff, loss, parts))
-    donated = [k for k in sorted(returned | set(mutated)) if owner[k] != bi]
+    pure = pure_step(fn, tdef, n, mut_args, lambda loss, parts: _Given(handoff, loss, parts))
     return PipelineEntry(
         plan,
-        stages,
+        driver,
         jax.jit(
             prelude,
             in_shardings=tuple(in_sh),
@@ -192,7 +149,7 @@ def compile_pipeline(step, plan: PipelinePlan, devices, cap: Captured, graph, sr
             pure,
             in_shardings=(*in_sh, handoff.rep, None),
             out_shardings=(out_sh, [in_sh[k] for k in mutated]),
-            donate_argnums=tuple(donated) if step._donate else (),
+            donate_argnums=t.donated(returned),
         ),
         tuple(in_sh),
         mutable,

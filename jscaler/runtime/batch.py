@@ -1,0 +1,76 @@
+"""Batches: what identifies one (its signature), its checks, and how it is split.
+
+Every program is compiled for one batch signature (:func:`batch_key`); the trainer and
+``parallelize_step`` check a batch against the example batch (:func:`batch_leaves`,
+:func:`batch_shapes`) and split it into micro-batches the same way (:func:`microbatches`).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jscaler.errors import PlanError
+
+__all__ = ["batch_key", "batch_leaves", "batch_shapes", "microbatches", "process_rows"]
+
+
+def batch_key(leaves) -> tuple:
+    """What identifies a batch's compiled step: each leaf's shape and canonical dtype."""
+    return tuple((tuple(x.shape), str(jax.dtypes.canonicalize_dtype(x.dtype))) for x in leaves)
+
+
+def batch_shapes(batch, microbatches: int) -> list[jax.ShapeDtypeStruct]:
+    """The batch leaves' shapes, each checked to split on axis 0 into the micro-batches."""
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(batch)]
+    for i, s in enumerate(shapes):
+        if len(s.shape) == 0 or s.shape[0] % microbatches:
+            raise PlanError(
+                f"batch leaf {i} has shape {tuple(s.shape)}: its axis 0 must split into "
+                f"{microbatches} micro-batches; use a batch size divisible by {microbatches}"
+            )
+    return shapes
+
+
+def batch_leaves(batch, batch_def, shapes) -> list:
+    """The batch's leaves, after checking its structure (``batch_def``) and shapes against
+    the example batch the program was made for."""
+    leaves, tdef = jax.tree_util.tree_flatten(batch)
+    if tdef != batch_def:
+        raise PlanError(f"the batch has structure {tdef}; the trainer was made for {batch_def}")
+    for i, (x, want) in enumerate(zip(leaves, shapes)):
+        if tuple(x.shape) != tuple(want.shape):
+            raise PlanError(
+                f"batch leaf {i} has shape {tuple(x.shape)}; the trainer was made for "
+                f"{tuple(want.shape)} (the example batch's shape)"
+            )
+    return leaves
+
+
+def microbatches(x, m: int):
+    """(B, ...) -> (B/m, m, ...): micro-batch j is rows j, j+m, j+2m, ... (local to each
+    data-parallel shard, so splitting needs no communication)."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:])
+
+
+def process_rows(sharding, shape: tuple, plan: str) -> tuple[int, int]:
+    """The contiguous block of rows this process's devices hold of an array of ``shape``
+    laid out by ``sharding``; a PlanError when the rows are replicated across processes
+    or not one block."""
+    spans = {
+        idx[0].indices(shape[0])[:2]
+        for idx in sharding.addressable_devices_indices_map(shape).values()
+    }
+    start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+    covered = sum(b - a for a, b in spans)
+    if jax.process_count() > 1 and stop - start == shape[0]:
+        raise PlanError(
+            f"the plan {plan!r} does not split the batch across processes (every process "
+            f"holds all {shape[0]} rows); pass the whole batch to step(), or use a plan "
+            f"whose outer mesh axis is data parallel"
+        )
+    if covered < stop - start and len(spans) > 1:
+        raise PlanError(
+            f"under the plan {plan!r} this process holds rows {sorted(spans)} of "
+            f"{shape[0]}, not one block; pass the whole batch to step()"
+        )
+    return start, stop
