@@ -78,3 +78,63 @@ def test_the_import_checker_finds_a_cycle_and_a_private_import(tmp_path):
         ("pkg/sub/b.py", "pkg.c", "_hidden"),
         ("user.py", "pkg.c", "_hidden"),
     ]
+
+
+def foreign_private_attributes(path: Path, root: Path = ROOT) -> list[str]:
+    """``obj._name`` (``obj`` not ``self``/``cls``) where this file defines no ``_name``
+    (a function, a class attribute, or ``self._name = ...``): another module's private
+    attribute, read or written."""
+    tree = ast.parse(path.read_text())
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                own.add(node.attr)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        name = node.attr
+        if not name.startswith("_") or name.startswith("__") or name in own:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "os"):
+            continue  # os._exit: the standard library's documented exit
+        found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_or_test_touches_another_modules_private_attributes():
+    dirs = ["jscaler", "tests", "bench", "examples", "spaces", "schedules", "models"]
+    bad = [hit for d in dirs for p in sorted((ROOT / d).rglob("*.py"))
+           for hit in foreign_private_attributes(p)]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_attribute_check_finds_a_foreign_one(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "class A:\n    def __init__(self):\n        self._mine = 1\n\n"
+        "def f(a, b):\n    return a._mine + b._theirs\n"
+    )
+    assert foreign_private_attributes(tmp_path / "m.py", tmp_path) == ["m.py:6: b._theirs"]
+
+
+def test_readme_is_a_front_page_linking_every_docs_page():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    linked = set(re.findall(r"\]\(([^)#\s]+)", readme))
+    local = {link for link in linked if "://" not in link}
+    assert all((ROOT / link).exists() for link in local), sorted(
+        link for link in local if not (ROOT / link).exists()
+    )
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= local, sorted(pages - local)
+    for page in (ROOT / "docs").glob("*.md"):  # and the pages' own links resolve
+        for link in re.findall(r"\]\(([^)#\s]+)", page.read_text()):
+            if "://" not in link:
+                assert (page.parent / link).exists(), f"{page.name}: {link}"
