@@ -5,7 +5,7 @@ The one way through the runtime::
     trace -> resolve the plan -> validate -> agree across processes -> memory preflight
           -> lower -> Program (compiled at its first step)
 
-:func:`prepare` is the middle of it (validate, agree, preflight), used by
+:func:`prepare` is the middle of it (validate, agree, preflight, lower), used by
 :class:`Planner` (for :func:`jscaler.parallelize`) and by ``parallelize_step``;
 :class:`Planner` caches one Program per batch signature and re-plans a new one from the
 space it was given. The runtime tells plan kinds apart here and nowhere else
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import jax
 import optax
 
-from jscaler.compile.lower import lower
+from jscaler.compile.lower import Lowered, lower
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.errors import PlanError, ScheduleError
 from jscaler.ir.graph import Graph
@@ -62,11 +62,13 @@ class Space(Protocol):
 @dataclass(frozen=True)
 class Prepared:
     """A plan checked for the devices: validated, agreed by every process, predicted to
-    fit; with its schedule when it is a pipeline."""
+    fit; lowered onto them (a single-program plan), or with its schedule (a pipeline,
+    whose groups the :class:`StageDriver` lowers)."""
 
     plan: AnyPlan
     schedule: Schedule | None
     devices: tuple
+    lowered: Lowered | None
 
 
 def prepare(
@@ -80,8 +82,9 @@ def prepare(
     slots: int = 0,
 ) -> Prepared:
     """Validates ``plan`` for ``devices`` (resolving a pipeline's ``schedule``), checks
-    every process runs the same plan, and refuses one predicted not to fit the devices'
-    memory (``cluster``'s, else the devices' own limit where the runtime reports one)."""
+    every process runs the same plan, refuses one predicted not to fit the devices'
+    memory (``cluster``'s, else the devices' own limit where the runtime reports one),
+    and lowers a single-program plan onto the devices."""
     if plan.is_pipeline:
         plan.validate(len(devices))
         sched = resolve_schedule(schedule, plan, microbatches)
@@ -103,7 +106,8 @@ def prepare(
         )  # fmt: skip
         where = cluster.name if cluster is not None else f"{devices[0].device_kind} devices"
         check_memory(est, capacity, where)
-    return Prepared(plan, sched, tuple(devices))
+    lowered = None if plan.is_pipeline else lower(plan, devices)
+    return Prepared(plan, sched, tuple(devices), lowered)
 
 
 class Planner:
@@ -205,9 +209,13 @@ class Planner:
             return PipelineProgram(
                 graph, plan, ready.schedule, self.devices, self.optimizer, self.master, **common
             )
-        low = lower(plan, self.devices)
         return SpmdProgram(
-            graph, low, self.optimizer, self.master, microbatches=self.microbatches, **common
+            graph,
+            ready.lowered,
+            self.optimizer,
+            self.master,
+            microbatches=self.microbatches,
+            **common,
         )
 
 

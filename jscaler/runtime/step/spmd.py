@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jscaler.compile.lower import Lowered, lower
+from jscaler.compile.lower import Lowered
 from jscaler.errors import TraceError
 from jscaler.plan.plan import Plan
 from jscaler.runtime.batch import microbatches
@@ -169,7 +169,7 @@ class SpmdEntry:
 def compile_spmd(t: Traced, ready: Prepared) -> SpmdEntry:
     """The step ``t`` as one jitted program under the checked single-program plan."""
     cap, graph = t.cap, t.graph
-    low = lower(ready.plan, list(ready.devices))
+    low = ready.lowered
     roles = [graph.tensors[x].role for x in graph.inputs][len(cap.params) + len(cap.state) :]
     planned = Planned(low, t.microbatches, cap.avals(), cap.out_avals(), roles, cap.n_aux)
     in_sh = in_shardings(low, cap, t.src, t.micro, t.paths, t.owner, t.batch_argnum)
