@@ -238,7 +238,7 @@ class PipelineProgram:
         )
         n_state = len(self.driver.state_ids)
         self._shardings = TrainState(list(h.master), opt_shard, [None] * n_state)
-        self._update_fn = None
+        self._update = self._jit_update()  # traced and compiled at the first step
         self._staged: tuple = ((), None)  # (the master arrays, their stages' copies)
 
     @property
@@ -287,7 +287,7 @@ class PipelineProgram:
 
     # ---- the update ------------------------------------------------------------------------
 
-    def _build_update(self):
+    def _jit_update(self):
         h = self.driver.handoff
 
         def update(master, opt_state, contributions):
@@ -314,10 +314,8 @@ class PipelineProgram:
         loss = float(loss)
         if not math.isfinite(loss):  # caught before the update runs
             return state, {"loss": loss, "grad_norm": float("nan")}
-        if self._update_fn is None:
-            self._update_fn = self._build_update()
         h = self.driver.handoff
-        master, opt, gnorm, stacked = self._update_fn(
+        master, opt, gnorm, stacked = self._update(
             state.params, state.opt_state, h.gradients(grads)
         )
         self._staged = (list(master), h.stage_params(master, stacked))

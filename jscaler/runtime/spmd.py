@@ -80,7 +80,24 @@ class SpmdProgram:
         self.update_layouts = [lowered.update[t] for t in param_ids]
         self.compute_dtypes = [t.dtype for t in roles if t.role == "param"]
         self.batch_dtypes = [t.dtype for t in roles if t.role == "batch"]
-        self._jitted: dict = {}  # "step" / "grad" / "eval" -> the jitted function
+        # jitted here, traced and compiled at their first call
+        sh = self._shardings
+        self._step = jax.jit(
+            self._update,
+            in_shardings=(sh.params, sh.opt_state, sh.model_state, self.batch_shardings),
+            out_shardings=(sh.params, sh.opt_state, sh.model_state, rep, rep),
+            donate_argnums=(0, 1, 2),
+        )
+        self._grad = jax.jit(
+            lambda p, s, b: (lambda r: (r[0], r[2]))(self._loss_and_grads(p, s, b)),
+            in_shardings=(sh.params, sh.model_state, self.batch_shardings),
+            out_shardings=(rep, [lowered.sharding(lay) for lay in self.grad_layouts]),
+        )
+        self._eval = jax.jit(
+            self._loss_only,
+            in_shardings=(sh.params, sh.model_state, self.batch_shardings),
+            out_shardings=rep,
+        )
 
     def tree(self, leaves):
         """The parameters' pytree from their leaves."""
@@ -155,17 +172,6 @@ class SpmdProgram:
             grad_norm,
         )
 
-    def _step_fn(self):
-        if "step" not in self._jitted:
-            sh, rep = self._shardings, self.rep
-            self._jitted["step"] = jax.jit(
-                self._update,
-                in_shardings=(sh.params, sh.opt_state, sh.model_state, self.batch_shardings),
-                out_shardings=(sh.params, sh.opt_state, sh.model_state, rep, rep),
-                donate_argnums=(0, 1, 2),
-            )
-        return self._jitted["step"]
-
     def put_batch(self, batch) -> list:
         """The batch's leaves, checked, on the plan's batch layouts (never donated)."""
         leaves = batch_leaves(batch, self.batch_def, self.batch_shapes)
@@ -174,11 +180,11 @@ class SpmdProgram:
     def compiled(self, state: TrainState, batch):
         b = self.put_batch(batch)
         args = (state.params, state.opt_state, state.model_state, b)
-        return self._step_fn().lower(*args).compile()
+        return self._step.lower(*args).compile()
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
         b = self.put_batch(batch)
-        params, opt, model_state, loss, gnorm = self._step_fn()(
+        params, opt, model_state, loss, gnorm = self._step(
             state.params, state.opt_state, state.model_state, b
         )
         loss, gnorm = float(loss), float(gnorm)
@@ -187,27 +193,11 @@ class SpmdProgram:
         return new, {"loss": loss, "grad_norm": gnorm}
 
     def value_and_grad(self, state: TrainState, batch) -> tuple[float, list]:
-        if "grad" not in self._jitted:
-            sh = self._shardings
-            grad_sh = [self.low.sharding(lay) for lay in self.grad_layouts]
-            self._jitted["grad"] = jax.jit(
-                lambda p, s, b: (lambda r: (r[0], r[2]))(self._loss_and_grads(p, s, b)),
-                in_shardings=(sh.params, sh.model_state, self.batch_shardings),
-                out_shardings=(self.rep, grad_sh),
-            )
-        fn = self._jitted["grad"]
-        loss, grads = fn(state.params, state.model_state, self.put_batch(batch))
+        loss, grads = self._grad(state.params, state.model_state, self.put_batch(batch))
         return float(loss), [gather(g) for g in grads]
 
     def eval(self, state: TrainState, batch) -> dict[str, float]:
-        if "eval" not in self._jitted:
-            sh = self._shardings
-            self._jitted["eval"] = jax.jit(
-                self._loss_only,
-                in_shardings=(sh.params, sh.model_state, self.batch_shardings),
-                out_shardings=self.rep,
-            )
-        loss = self._jitted["eval"](state.params, state.model_state, self.put_batch(batch))
+        loss = self._eval(state.params, state.model_state, self.put_batch(batch))
         return {"loss": float(loss)}
 
     def _loss_only(self, params, state, batch):
