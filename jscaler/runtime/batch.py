@@ -2,16 +2,25 @@
 
 Every program is compiled for one batch signature (:func:`batch_key`); the trainer and
 ``parallelize_step`` check a batch against the example batch (:func:`batch_leaves`,
-:func:`batch_shapes`) and split it into micro-batches the same way (:func:`microbatches`).
+:func:`batch_shapes`) and split it into micro-batches the same way (:func:`microbatches`,
+:func:`accumulate`).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jscaler.errors import PlanError
 
-__all__ = ["batch_key", "batch_leaves", "batch_shapes", "microbatches", "process_rows"]
+__all__ = [
+    "accumulate",
+    "batch_key",
+    "batch_leaves",
+    "batch_shapes",
+    "microbatches",
+    "process_rows",
+]
 
 
 def batch_key(leaves) -> tuple:
@@ -74,3 +83,38 @@ def process_rows(sharding, shape: tuple, plan: str) -> tuple[int, int]:
             f"{shape[0]}, not one block; pass the whole batch to step()"
         )
     return start, stop
+
+
+def accumulate(vg, params, state, inputs, *, m, batch, shardings, reduce, loss_dtype, aux_avals):
+    """Loss, aux and gradients averaged over ``m`` micro-batches, as one step computes them.
+
+    ``vg(params, state, inputs)`` returns ``((loss, (aux, new_state)), grads)``; the inputs
+    at positions ``batch`` are split on axis 0 (:func:`microbatches`, placed on
+    ``shardings[j]``) and scanned over, the state carried from one micro-batch to the
+    next, each micro-batch's gradients laid out by ``reduce`` before they are summed.
+    Returns ``(loss, aux, new_state, grads)``.
+    """
+    if m == 1:
+        (loss, (aux, state)), grads = vg(params, state, inputs)
+        return loss, aux, state, reduce(grads)
+    split = {j: microbatches(inputs[j], m) for j in batch}
+
+    def body(carry, i):
+        loss_sum, g_sum, aux_sum, state = carry
+        mb = list(inputs)
+        for j in batch:
+            x = jax.lax.dynamic_index_in_dim(split[j], i, 1, keepdims=False)
+            mb[j] = jax.lax.with_sharding_constraint(x, shardings[j])
+        (loss, (aux, state)), grads = vg(params, state, mb)
+        g_sum = [a + b for a, b in zip(g_sum, reduce(grads))]
+        aux_sum = [a + b for a, b in zip(aux_sum, aux)]
+        return (loss_sum + loss, g_sum, aux_sum, state), None
+
+    init = (
+        jnp.zeros((), loss_dtype),
+        reduce([jnp.zeros_like(p) for p in params]),
+        [jnp.zeros(a.shape, a.dtype) for a in aux_avals],
+        state,
+    )
+    (loss, grads, aux, state), _ = jax.lax.scan(body, init, jnp.arange(m))
+    return loss / m, [a / m for a in aux], state, [g / m for g in grads]

@@ -35,6 +35,7 @@ from jscaler.plan.pipeline import PipelinePlan, pass_of_ops, stage_of_ops
 from jscaler.plan.schedule import Block, Schedule
 from jscaler.runtime.batch import batch_leaves, microbatches
 from jscaler.runtime.handoff import handoff_for
+from jscaler.runtime.program import guarded_update, optimizer_shardings
 from jscaler.runtime.stages import Stage, build_stages
 from jscaler.runtime.state import TrainState
 
@@ -229,13 +230,7 @@ class PipelineProgram:
         self.params_def = graph.signature.params_def
         self.batch_def = graph.signature.batch_def
         h = self.driver.handoff
-        opt_shard = optax.tree_map_params(
-            optimizer,
-            lambda _, s: s,
-            jax.eval_shape(optimizer.init, self.tree(master)),
-            self.tree(h.master),
-            transform_non_params=lambda _: h.rep,
-        )
+        opt_shard = optimizer_shardings(optimizer, self.tree(master), self.tree(h.master), h.rep)
         n_state = len(self.driver.state_ids)
         self._shardings = TrainState(list(h.master), opt_shard, [None] * n_state)
         self._update = self._jit_update()  # traced and compiled at the first step
@@ -293,13 +288,11 @@ class PipelineProgram:
         def update(master, opt_state, contributions):
             g = [h.reduce(parts) for parts in contributions]
             grad_norm = optax.tree.norm(g)
-            p_tree, g_tree = self.tree(master), self.tree(g)
-            updates, new_opt = self.optimizer.update(g_tree, opt_state, p_tree)
-            new = jax.tree_util.tree_leaves(optax.apply_updates(p_tree, updates))
-            # a NaN/inf gradient leaves everything as it was (the trainer raises)
-            ok = jnp.isfinite(grad_norm)
-            keep = lambda a, b: jax.tree_util.tree_map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
-            new, new_opt = keep(new, master), keep(new_opt, opt_state)
+            ok = jnp.isfinite(grad_norm)  # else nothing changes (the trainer raises)
+            new, new_opt = guarded_update(
+                self.optimizer, self.tree(master), self.tree(g), opt_state, ok
+            )
+            new = jax.tree_util.tree_leaves(new)
             return new, new_opt, grad_norm, h.broadcast(new)
 
         sh = self._shardings

@@ -15,6 +15,8 @@ import math
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
+import optax
 
 from jscaler.cost.cluster import Cluster
 from jscaler.cost.estimate import Estimate
@@ -23,7 +25,7 @@ from jscaler.ir.graph import Graph
 from jscaler.plan.kind import AnyPlan
 from jscaler.runtime.state import TrainState
 
-__all__ = ["Program", "check_finite"]
+__all__ = ["Program", "check_finite", "guarded_update", "optimizer_shardings"]
 
 
 class Program(Protocol):
@@ -105,3 +107,26 @@ def check_finite(loss: float, grad_norm: float, step: int) -> None:
         f"(optax.clip_by_global_norm), check the batch for NaNs, or compute in fp32",
         step,
     )
+
+
+def optimizer_shardings(optimizer: optax.GradientTransformation, master, param_shardings, rep):
+    """Where the optimizer state lives: each per-parameter leaf (a moment) with its
+    parameter's update sharding (``param_shardings``, a tree like the parameters), every
+    other leaf (a step count) on ``rep``. ``master``: the parameters' tree of shapes."""
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, s: s,
+        jax.eval_shape(optimizer.init, master),
+        param_shardings,
+        transform_non_params=lambda _: rep,
+    )
+
+
+def guarded_update(optimizer: optax.GradientTransformation, params, grads, opt_state, ok):
+    """The optax update of ``params`` (a tree) by ``grads``, applied where ``ok`` (a traced
+    bool: the loss and gradient norm are finite) and the old parameters and optimizer
+    state kept where not. Returns (new parameters, new optimizer state)."""
+    updates, new_opt = optimizer.update(grads, opt_state, params)
+    new = optax.apply_updates(params, updates)
+    keep = lambda a, b: jax.tree_util.tree_map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
+    return keep(new, params), keep(new_opt, opt_state)

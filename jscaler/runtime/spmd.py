@@ -23,7 +23,8 @@ from jscaler.cost.estimate import Estimate, estimate
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
 from jscaler.plan.plan import Plan
-from jscaler.runtime.batch import batch_leaves, microbatches, process_rows
+from jscaler.runtime.batch import accumulate, batch_leaves, microbatches, process_rows
+from jscaler.runtime.program import guarded_update, optimizer_shardings
 from jscaler.runtime.state import TrainState, gather
 
 __all__ = ["SpmdProgram"]
@@ -64,15 +65,13 @@ class SpmdProgram:
         n_s = sum(t.role == "state" for t in roles)
         shard = lowered.input_shardings()
         param_ids = [t for t in graph.inputs if graph.tensors[t].role == "param"]
-        abstract_opt = jax.eval_shape(optimizer.init, self.tree(master))
         rep = NamedSharding(lowered.mesh, PartitionSpec())
         self.rep = rep
-        opt_shard = optax.tree_map_params(
+        opt_shard = optimizer_shardings(
             optimizer,
-            lambda _, s: s,
-            abstract_opt,
+            self.tree(master),
             self.tree([lowered.sharding(lowered.update[t]) for t in param_ids]),
-            transform_non_params=lambda _: rep,
+            rep,
         )
         self._shardings = TrainState(list(shard[:n_p]), opt_shard, list(shard[n_p : n_p + n_s]))
         self.batch_shardings = shard[n_p + n_s :]
@@ -122,9 +121,7 @@ class SpmdProgram:
             params = [p.astype(d) for p, d in zip(params, self.compute_dtypes)]
             mb = [x.astype(d) for x, d in zip(mb, self.batch_dtypes)]
             outs = low.forward(*params, *state, *mb)
-            return outs[0].astype(jnp.float32), list(outs[1:])
-
-        grad_fn = jax.value_and_grad(one, has_aux=True)
+            return outs[0].astype(jnp.float32), ([], list(outs[1:]))
 
         def reduce_grads(gs):
             return [
@@ -132,23 +129,12 @@ class SpmdProgram:
                 for g, lay in zip(gs, self.grad_layouts)
             ]
 
-        if m == 1:
-            (loss, state), grads = grad_fn(params, state, batch)
-            return loss, state, reduce_grads(grads)
-        split = [microbatches(b, m) for b in batch]
-
-        def body(carry, i):
-            loss_sum, grads_sum, state = carry
-            mb = [jax.lax.dynamic_index_in_dim(b, i, 1, keepdims=False) for b in split]
-            mb = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(mb, self.batch_shardings)]
-            (loss, state), grads = grad_fn(params, state, mb)
-            grads = reduce_grads(grads)
-            return (loss_sum + loss, [a + g for a, g in zip(grads_sum, grads)], state), None
-
-        zeros = reduce_grads([jnp.zeros_like(p) for p in params])
-        init = (jnp.zeros((), jnp.float32), zeros, state)
-        (loss, grads, state), _ = jax.lax.scan(body, init, jnp.arange(m))
-        return loss / m, state, [g / m for g in grads]
+        loss, _, state, grads = accumulate(
+            jax.value_and_grad(one, has_aux=True), params, state, batch,
+            m=m, batch=range(len(batch)), shardings=self.batch_shardings, reduce=reduce_grads,
+            loss_dtype=jnp.float32, aux_avals=[],
+        )  # fmt: skip
+        return loss, state, grads
 
     def _update(self, params, opt_state, state, batch):
         low = self.low
@@ -159,18 +145,10 @@ class SpmdProgram:
             for x, lay in zip(xs, self.update_layouts)
         ]
         p_tree, g_tree = self.tree(at(params)), self.tree(at(grads))
-        updates, new_opt = self.optimizer.update(g_tree, opt_state, p_tree)
-        new = jax.tree_util.tree_leaves(optax.apply_updates(p_tree, updates))
-        # a NaN/inf loss or gradient leaves everything as it was (step() raises)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda a, b: jax.tree_util.tree_map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
-        return (
-            keep(new, params),
-            keep(new_opt, opt_state),
-            keep(new_state, state),
-            loss,
-            grad_norm,
-        )
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # else nothing changes: step() raises
+        new, new_opt = guarded_update(self.optimizer, p_tree, g_tree, opt_state, ok)
+        new_state = jax.tree_util.tree_map(lambda x, y: jnp.where(ok, x, y), new_state, state)
+        return jax.tree_util.tree_leaves(new), new_opt, new_state, loss, grad_norm
 
     def put_batch(self, batch) -> list:
         """The batch's leaves, checked, on the plan's batch layouts (never donated)."""

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jscaler.compile.lower import Lowered
 from jscaler.errors import TraceError
 from jscaler.plan.plan import Plan
-from jscaler.runtime.batch import microbatches
+from jscaler.runtime.batch import accumulate
 from jscaler.runtime.builder import Prepared
 from jscaler.runtime.step.autodiff import Captured
 from jscaler.runtime.step.layouts import followers, in_shardings, out_shardings
@@ -87,35 +86,12 @@ class StepRunner:
         def reduce(gs):
             return [jax.lax.with_sharding_constraint(x, s) for x, s in zip(gs, grad_sh)]
 
-        if m == 1:
-            (loss, (aux, state)), grads = vg(params, state, extras)
-            grads = reduce(grads)
-        else:
-            batch = [j for j, r in enumerate(p.extra_roles) if r == "batch"]
-            b_sh = shard[n_p + n_s :]
-            split = {j: microbatches(extras[j], m) for j in batch}
-
-            def body(carry, i):
-                loss_sum, g_sum, aux_sum, state = carry
-                mb = list(extras)
-                for j in batch:
-                    x = jax.lax.dynamic_index_in_dim(split[j], i, 1, keepdims=False)
-                    mb[j] = jax.lax.with_sharding_constraint(x, b_sh[j])
-                (loss, (aux, state)), grads = vg(params, state, mb)
-                grads = reduce(grads)
-                g_sum = [a + b for a, b in zip(g_sum, grads)]
-                aux_sum = [a + b for a, b in zip(aux_sum, aux)]
-                return (loss_sum + loss, g_sum, aux_sum, state), None
-
-            outs = p.out_avals
-            init = (
-                jnp.zeros((), outs[0].dtype),
-                reduce([jnp.zeros_like(x) for x in params]),
-                [jnp.zeros(a.shape, a.dtype) for a in outs[1 : 1 + n_aux]],
-                state,
-            )
-            (loss, grads, aux, state), _ = jax.lax.scan(body, init, jnp.arange(m))
-            loss, grads, aux = loss / m, [x / m for x in grads], [a / m for a in aux]
+        loss, aux, state, grads = accumulate(
+            vg, params, state, extras,
+            m=m, batch=[j for j, r in enumerate(p.extra_roles) if r == "batch"],
+            shardings=shard[n_p + n_s :], reduce=reduce, loss_dtype=p.out_avals[0].dtype,
+            aux_avals=p.out_avals[1 : 1 + n_aux],
+        )  # fmt: skip
         grads = [
             jax.lax.with_sharding_constraint(x, low.sharding(low.update[t]))
             for x, t in zip(grads, ids)
