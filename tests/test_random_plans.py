@@ -38,7 +38,13 @@ def programs_not_written_to_the_compilation_cache():
     jax.config.update(key, old)
 
 
-@pytest.fixture(scope="module", params=["mlp-tiny", "convnet-tiny"])
+# convnet-tiny's examples run in a process of their own (test_convnet_in_a_fresh_process):
+# inside a long xdist worker XLA's CPU compiler segfaulted on one of them in two cold CI
+# runs (jax 0.12.0.1), while the same examples pass in a fresh process.
+ALONE = os.environ.get("JSCALER_RANDOM_PLANS_CONVNET") == "1"
+
+
+@pytest.fixture(scope="module", params=["convnet-tiny"] if ALONE else ["mlp-tiny"])
 def setup(request):
     spec = models.get(request.param)
     params = spec.init(0)
@@ -139,3 +145,17 @@ def test_random_plan_matches_or_raises_plan_error(setup, data):
     mm = compare(got, ref)
     assert mm.ok, "\n".join([explain(plan), *mm.lines[:10]])
     jax.clear_caches() if len(jax.live_arrays()) > 10_000 else None
+
+
+@pytest.mark.skipif(ALONE, reason="this is the fresh process")
+def test_convnet_in_a_fresh_process():
+    """convnet-tiny's random plans, run by pytest in a new process (see ALONE)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JSCALER_RANDOM_PLANS_CONVNET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+           __file__, "-k", "test_random_plan_matches_or_raises_plan_error"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
