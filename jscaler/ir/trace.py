@@ -17,10 +17,11 @@ from jscaler.ir.graph import Graph
 from jscaler.ir.loops import refuse_dynamic_loops
 from jscaler.ir.scopes import leaf_scopes, module_classes, module_scopes
 
-__all__ = ["Signature", "trace"]
+__all__ = ["Signature", "key_names", "trace"]
 
 
-def _key_name(path) -> str:
+def key_names(path) -> list[str]:
+    """A pytree path as strings, without an nnx Variable's ``value`` step."""
     parts = []
     for k in path:
         if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
@@ -31,7 +32,11 @@ def _key_name(path) -> str:
                 break
         else:
             parts.append(str(k))
-    return "/".join(parts)
+    return parts
+
+
+def _key_name(path) -> str:
+    return "/".join(key_names(path))
 
 
 @dataclass(frozen=True, eq=False)

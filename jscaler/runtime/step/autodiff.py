@@ -24,6 +24,7 @@ from flax import nnx
 
 from jscaler.errors import TraceError
 from jscaler.ir.scopes import module_scopes
+from jscaler.ir.trace import key_names
 
 __all__ = ["Captured", "capture", "grad", "handling", "value_and_grad"]
 
@@ -249,21 +250,6 @@ def _split_out(out, has_aux: bool):
             f"(loss, aux); it returned {type(out).__name__}"
         )
     return out[0], out[1]
-
-
-def key_names(path) -> list[str]:
-    """A pytree path as strings, without an nnx Variable's ``value`` step."""
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
-            continue
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return parts
 
 
 def _named_leaves(tree):

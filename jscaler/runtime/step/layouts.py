@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jscaler.compile.lower import Lowered
-from jscaler.runtime.step.autodiff import Captured, key_names
+from jscaler.ir.trace import key_names
+from jscaler.runtime.step.autodiff import Captured
 
 __all__ = ["follow", "followers", "in_shardings", "out_shardings", "place"]
 

@@ -19,8 +19,8 @@ from flax import nnx
 from jscaler.errors import TraceError
 from jscaler.ir.build import Builder
 from jscaler.ir.graph import Graph
-from jscaler.ir.trace import Signature
-from jscaler.runtime.step.autodiff import Captured, handling, key_names
+from jscaler.ir.trace import Signature, key_names
+from jscaler.runtime.step.autodiff import Captured, handling
 
 __all__ = [
     "Traced",
