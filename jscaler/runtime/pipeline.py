@@ -35,7 +35,7 @@ from jscaler.plan.pipeline import PipelinePlan, pass_of_ops, stage_of_ops
 from jscaler.plan.schedule import Block, Schedule
 from jscaler.runtime.batch import batch_leaves, microbatches
 from jscaler.runtime.handoff import handoff_for
-from jscaler.runtime.program import guarded_update, optimizer_shardings
+from jscaler.runtime.program import guarded_update, initial_state, optimizer_shardings
 from jscaler.runtime.stages import Stage, build_stages
 from jscaler.runtime.state import TrainState
 
@@ -251,10 +251,8 @@ class PipelineProgram:
         return self._shardings
 
     def init(self, params: list, model_state: list) -> TrainState:
-        sh = self._shardings
-        master = [jax.device_put(np.array(x), s) for x, s in zip(params, sh.params)]
-        opt = jax.jit(self.optimizer.init, out_shardings=sh.opt_state)(self.tree(master))
-        return TrainState(master, opt, [np.asarray(x) for x in model_state])
+        host_state = [np.asarray(x) for x in model_state]  # the stages take it from the host
+        return initial_state(self.optimizer, self.params_def, params, self._shardings, host_state)
 
     # ---- the stages' copies of the state -------------------------------------------------
 

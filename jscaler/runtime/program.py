@@ -25,7 +25,13 @@ from jscaler.ir.graph import Graph
 from jscaler.plan.kind import AnyPlan
 from jscaler.runtime.state import TrainState
 
-__all__ = ["Program", "check_finite", "guarded_update", "optimizer_shardings"]
+__all__ = [
+    "Program",
+    "check_finite",
+    "guarded_update",
+    "initial_state",
+    "optimizer_shardings",
+]
 
 
 class Program(Protocol):
@@ -130,3 +136,13 @@ def guarded_update(optimizer: optax.GradientTransformation, params, grads, opt_s
     new = optax.apply_updates(params, updates)
     keep = lambda a, b: jax.tree_util.tree_map(lambda x, y: jnp.where(ok, x, y), a, b)  # noqa: E731
     return keep(new, params), keep(new_opt, opt_state)
+
+
+def initial_state(optimizer, params_def, params: list, shardings: TrainState, model_state: list):
+    """The step-0 TrainState: copies of ``params`` on ``shardings.params`` (never aliasing
+    the caller's buffers), the optimizer initialised on ``shardings.opt_state``, and
+    ``model_state`` as the program keeps it."""
+    placed = [jax.device_put(jnp.array(x, copy=True), s) for x, s in zip(params, shardings.params)]
+    tree = jax.tree_util.tree_unflatten(params_def, placed)
+    opt = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(tree)
+    return TrainState(placed, opt, model_state)

@@ -24,7 +24,7 @@ from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
 from jscaler.plan.plan import Plan
 from jscaler.runtime.batch import accumulate, batch_leaves, microbatches, process_rows
-from jscaler.runtime.program import guarded_update, optimizer_shardings
+from jscaler.runtime.program import guarded_update, initial_state, optimizer_shardings
 from jscaler.runtime.state import TrainState, gather
 
 __all__ = ["SpmdProgram"]
@@ -108,9 +108,8 @@ class SpmdProgram:
     def init(self, params: list, model_state: list) -> TrainState:
         sh = self._shardings
         copy = lambda x, s: jax.device_put(jnp.array(x, copy=True), s)  # noqa: E731
-        placed = [copy(x, s) for x, s in zip(params, sh.params)]
-        opt = jax.jit(self.optimizer.init, out_shardings=sh.opt_state)(self.tree(placed))
-        return TrainState(placed, opt, [copy(x, s) for x, s in zip(model_state, sh.model_state)])
+        placed_state = [copy(x, s) for x, s in zip(model_state, sh.model_state)]
+        return initial_state(self.optimizer, self.params_def, params, sh, placed_state)
 
     # ---- the step ------------------------------------------------------------------------
 
