@@ -51,6 +51,18 @@ def test_a_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_p
     assert "nothing to do: the checkpoint is at step 1" in done.stdout
 
 
+def test_a_nan_update_from_a_finite_loss_stops_before_anything_is_saved(tmp_path):
+    ck = str(tmp_path / "ck")
+    proc = run(
+        "train", "--model", "mlp-tiny", "--steps", "3", "--lr", "nan", "--checkpoint-dir", ck,
+        "--checkpoint-every", "1", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "step 1: the update is not finite" in proc.stderr
+    assert "last good checkpoint: none written" in proc.stderr
+    assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").iterdir())
+
+
 def test_train_profile_and_the_profile_command(tmp_path):
     trace = tmp_path / "trace"
     out = run("train", "--model", "mlp-tiny", "--steps", "3", "--profile", str(trace)).stdout

@@ -93,6 +93,52 @@ def test_a_nan_loss_stops_with_the_step_number_and_keeps_the_last_good_state():
     assert np.isfinite(trainer.step(spec.batch(16, 2))["loss"])  # the optimizer state is intact
 
 
+@pytest.mark.parametrize(
+    "plan, m", [("dp", 1), (megatron(pp=2, dp=4), 2)], ids=["spmd", "pipeline"]
+)
+def test_a_non_finite_update_from_a_finite_loss_changes_nothing(plan, m):
+    """``--lr nan``: the loss and gradients are finite, the update is not. It is not
+    applied: parameters and optimizer state stay bit for bit, the step count too."""
+    spec = models.get("gpt-tiny")
+    batch = spec.batch(8, 0)
+    lr = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
+    trainer = jscaler.parallelize(spec.init(0), spec.loss, lr, batch, plan=plan, microbatches=m)
+    trainer.step(batch)
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(trainer.state)]
+    trainer.state = _with_lr(trainer.state, jnp.nan)
+    with pytest.raises(jscaler.NonFiniteLossError, match="step 2: the update is not finite"):
+        trainer.step(spec.batch(8, 1))
+    assert trainer.step_count == 1
+    after = [np.asarray(x) for x in jax.tree_util.tree_leaves(_with_lr(trainer.state, 1e-3))]
+    assert len(before) == len(after)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def _with_lr(state, lr):
+    """The state with inject_hyperparams' learning rate set to ``lr`` (same placement)."""
+    opt = state.opt_state
+    rate = opt.hyperparams["learning_rate"]
+    new = jax.device_put(jnp.asarray(lr, rate.dtype), rate.sharding)
+    hyper = {**opt.hyperparams, "learning_rate": new}
+    return dataclasses.replace(state, opt_state=opt._replace(hyperparams=hyper))
+
+
+def test_the_finite_check_keeps_no_second_copy_of_the_state():
+    """The NaN guard costs no parameter-sized temporary: dp()'s step needs no more memory
+    than plain jax.jit data parallelism of the same step (it kept both the old and the new
+    parameters and optimizer state alive: +62 MB of 85 MB on gpt-small under adamw)."""
+    from bench.plain_jax import plain_dp
+
+    spec = models.get("gpt-tiny")
+    batch, opt = spec.batch(8, 0), optax.adamw(1e-3)
+    plain = plain_dp(spec.init(0), spec.loss, opt, batch, 8).compiled(batch).memory_analysis()
+    trainer = jscaler.parallelize(spec.init(0), spec.loss, opt, batch, plan="dp")
+    ours = trainer.program.compiled(trainer.state, batch).memory_analysis()
+    params = sum(x.nbytes for x in trainer.state.params)  # 0.94 MB
+    extra = ours.temp_size_in_bytes - plain.temp_size_in_bytes  # 57 KB; the old guard 764 KB
+    assert extra <= 0.1 * params, (extra, params)
+
+
 def test_predicted_out_of_memory_is_refused_before_anything_runs():
     tiny = dataclasses.replace(jscaler.CLUSTERS["cpu"], name="tiny", memory=64 * 2**10)
     model = gpt.GPT(gpt.tiny(), rngs=nnx.Rngs(0))

@@ -287,16 +287,16 @@ class PipelineProgram:
             g = [h.reduce(parts) for parts in contributions]
             grad_norm = optax.tree.norm(g)
             ok = jnp.isfinite(grad_norm)  # else nothing changes (the trainer raises)
-            new, new_opt = guarded_update(
+            new, new_opt, _, ok = guarded_update(
                 self.optimizer, self.tree(master), self.tree(g), opt_state, ok
             )
             new = jax.tree_util.tree_leaves(new)
-            return new, new_opt, grad_norm, h.broadcast(new)
+            return new, new_opt, grad_norm, ok, h.broadcast(new)
 
         sh = self._shardings
         return jax.jit(
             update,
-            out_shardings=(sh.params, sh.opt_state, h.rep, None),
+            out_shardings=(sh.params, sh.opt_state, h.rep, h.rep, None),
             donate_argnums=(0, 1),
         )
 
@@ -306,12 +306,12 @@ class PipelineProgram:
         if not math.isfinite(loss):  # caught before the update runs
             return state, {"loss": loss, "grad_norm": float("nan")}
         h = self.driver.handoff
-        master, opt, gnorm, stacked = self._update(
+        master, opt, gnorm, done, stacked = self._update(
             state.params, state.opt_state, h.gradients(grads)
         )
         self._staged = (list(master), h.stage_params(master, stacked))
         gnorm = float(np.asarray(gnorm.addressable_data(0)))
-        done = math.isfinite(gnorm)
+        done = bool(np.asarray(done.addressable_data(0)))  # not done: the old arrays
         new = TrainState(master, opt, state.model_state, state.step + done)
         return new, {"loss": loss, "grad_norm": gnorm}
 

@@ -84,7 +84,7 @@ class SpmdProgram:
         self._step = jax.jit(
             self._update,
             in_shardings=(sh.params, sh.opt_state, sh.model_state, self.batch_shardings),
-            out_shardings=(sh.params, sh.opt_state, sh.model_state, rep, rep),
+            out_shardings=(sh.params, sh.opt_state, sh.model_state, rep, rep, rep),
             donate_argnums=(0, 1, 2),
         )
         self._grad = jax.jit(
@@ -145,9 +145,10 @@ class SpmdProgram:
         ]
         p_tree, g_tree = self.tree(at(params)), self.tree(at(grads))
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # else nothing changes: step() raises
-        new, new_opt = guarded_update(self.optimizer, p_tree, g_tree, opt_state, ok)
-        new_state = jax.tree_util.tree_map(lambda x, y: jnp.where(ok, x, y), new_state, state)
-        return jax.tree_util.tree_leaves(new), new_opt, new_state, loss, grad_norm
+        new, new_opt, new_state, ok = guarded_update(
+            self.optimizer, p_tree, g_tree, opt_state, ok, (new_state, state)
+        )
+        return jax.tree_util.tree_leaves(new), new_opt, new_state, loss, grad_norm, ok
 
     def put_batch(self, batch) -> list:
         """The batch's leaves, checked, on the plan's batch layouts (never donated)."""
@@ -161,11 +162,10 @@ class SpmdProgram:
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
         b = self.put_batch(batch)
-        params, opt, model_state, loss, gnorm = self._step(
+        params, opt, model_state, loss, gnorm, done = self._step(
             state.params, state.opt_state, state.model_state, b
         )
-        loss, gnorm = float(loss), float(gnorm)
-        done = math.isfinite(loss) and math.isfinite(gnorm)  # else the arrays are the old ones
+        loss, gnorm, done = float(loss), float(gnorm), bool(done)  # not done: the old arrays
         new = TrainState(params, opt, model_state, state.step + done)
         return new, {"loss": loss, "grad_norm": gnorm}
 

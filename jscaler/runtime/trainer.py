@@ -91,11 +91,14 @@ class Trainer:
         """One training step: ``{"loss", "grad_norm"}`` (loss before the update).
 
         Raises:
-          NonFiniteLossError: the loss or a gradient is NaN or infinite; the update was not
-            applied, so the parameters and optimizer state are those before this step.
+          NonFiniteLossError: the loss or a gradient is NaN or infinite, or the update
+            would make a parameter or optimizer state entry so; the update was not applied,
+            so the parameters and optimizer state are those before this step.
         """
+        before = self.state.step
         self.state, metrics = self.use(batch).step(self.state, batch)
-        check_finite(metrics["loss"], metrics["grad_norm"], self.step_count + 1)
+        applied = self.state.step != before
+        check_finite(metrics["loss"], metrics["grad_norm"], before + 1, applied)
         return metrics
 
     def eval(self, batch) -> dict[str, float]:
