@@ -8,8 +8,6 @@ parameters in their storage layout. ZeRO-1/2/3 are these layouts, not separate c
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
