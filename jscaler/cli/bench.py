@@ -11,6 +11,8 @@ def register(sub) -> None:
     be = sub.add_parser(
         "bench",
         help="benchmarks: 'spmd' compares plans with plain JAX (memory, collectives, time); "
+        "'plain' pairs dp, zero3, megatron and auto with the plain-JAX step a user would "
+        "write for each, on Hugging Face and plain-JAX models; "
         "'pipeline' compares pipeline schedules (simulated bubbles, MPMD vs SPMD step times); "
         "'coshard' compares coshard's activation memory with plain tensor parallelism; "
         "'cost' holds the cost model's memory and collective predictions to XLA's; "
@@ -35,19 +37,32 @@ def register(sub) -> None:
         "beside the cost model's prediction for the same shape, plan and GPU count. 'paper': "
         "nnScaler's section 8.3 on the cost model: Swin, T5 and AlphaFold2 at 4-32 V100s of "
         "DGX-2 and DGX-1, each system's best setting of a grid (--model and --devices narrow "
-        "it; 2 worker processes).",
+        "it; 2 worker processes). 'plain': on models nobody here wrote (a plain-JAX GPT "
+        "with fused q/k/v, Hugging Face Flax GPT-2 and Llama, gpt-small, swin-tiny; "
+        "--model narrows, --small shrinks them), each jscaler plan beside its plain-JAX "
+        "counterpart (dp() / plain dp, zero(stage=3) / plain fsdp, megatron(tp=8) / "
+        "Megatron name rules, megatron(tp=4, dp=2, zero=3) / fsdp x tp rules, auto / the "
+        "fastest plain row): per-device memory, collective bytes by kind, interleaved step "
+        "times, the loss after 3 AdamW steps on both, the cost model's predictions, the "
+        "ratios and the issue's targets met or missed.",
     )
     be.add_argument(
         "which",
-        choices=["spmd", "pipeline", "coshard", "cost", "order", "calibrate", "paper"],
+        choices=["spmd", "plain", "pipeline", "coshard", "cost", "order", "calibrate", "paper"],
         help="the benchmark",
     )
     be.add_argument(
         "--model",
         default=None,
-        help="model (default gpt-small, 21M; pipeline: gpt-tiny; coshard: swin-bench)",
+        help="model (default gpt-small, 21M; pipeline: gpt-tiny; coshard: swin-bench; plain: "
+        "all of gpt-fused, hf-gpt2, hf-llama, gpt-small, swin)",
     )
-    be.add_argument("--steps", type=int, default=3, help="timed steps per plan (default 3)")
+    be.add_argument(
+        "--steps", type=int, default=None, help="timed steps per plan (default 3; plain: 5)"
+    )
+    be.add_argument(
+        "--small", action="store_true", help="plain: tiny configs of the models (a quick run)"
+    )
     be.add_argument("--pp", type=int, default=4, help="pipeline: stages (default 4)")
     be.add_argument(
         "--microbatches", type=int, default=None, help="pipeline: micro-batches (default pp)"
@@ -64,13 +79,15 @@ def register(sub) -> None:
 
 
 def _bench(args) -> int:
+    if args.steps is None:
+        args.steps = 5 if args.which == "plain" else 3
     if args.which == "pipeline":
         return _bench_pipeline(args)
     if args.which == "coshard":
         return _bench_coshard(args)
     if args.which == "cost":
         return _bench_cost(args)
-    if args.which in ("calibrate", "order", "paper"):
+    if args.which in ("calibrate", "order", "paper", "plain"):
         import importlib
 
         return importlib.import_module(f"bench.{args.which}").main(args)
