@@ -12,6 +12,10 @@ heads and hidden features are split instead). The embedding table is split by
 vocabulary (partial-sum lookups). Ops that cannot split a class n ways get the whole
 tensor instead.
 
+A fused projection (q, k and v from one matmul, cut apart by ``split``) is traced on its
+(parts, features) view (:mod:`jscaler.ir.unfuse`): its features are split, so each device
+computes its heads of q, of k and of v; the kernel itself stays whole on every device.
+
 With ``sp=True`` (Megatron sequence parallelism), ops outside the tensor-parallel regions
 (norms, residual adds, dropout, the loss) are split along the sequence over the same tp
 devices: activations enter a region by all-gather and leave it by reduce-scatter instead
@@ -39,9 +43,10 @@ from spaces.zero import zero_over
 WEIGHT_OPS = ("dot_general", "conv_general_dilated")
 
 
-# ops a weight passes through before its matmul: casts, and the transpose of a kernel
-# stored (out, in), as Hugging Face's GPT-2 Conv1D does (the dim classes follow it)
-_PARAM_VIEWS = ("convert_element_type", "copy", "identity", "transpose")
+# ops a weight passes through before its matmul: casts, the transpose of a kernel stored
+# (out, in), as Hugging Face's GPT-2 Conv1D does, and the (parts, features) view of a fused
+# projection's kernel (jscaler.ir.unfuse; the dim classes follow them all)
+_PARAM_VIEWS = ("convert_element_type", "copy", "identity", "transpose", "reshape")
 
 
 def _param_source(graph: jscaler.Graph, t: int) -> int | None:
@@ -81,12 +86,14 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
                 continue
             out_dims = {ax[0] for ax in ann.outputs[0]}
             w_dims = ann.inputs[k]
-            axis = next(
-                (a for a, ax in enumerate(w_dims) if ax[0] in out_dims and ann.kinds[ax[0]] == ""),
-                None,
-            )
-            if axis is None:
+            free = [
+                a for a, ax in enumerate(w_dims) if ax[0] in out_dims and ann.kinds[ax[0]] == ""
+            ]
+            if not free:
                 continue
+            # a fused projection's (parts, features) view: the parts axis is sliced apart
+            # right after; its features (the heads of q, k and v) are what to split
+            axis = next((a for a in free if not _cut_apart(classes, x, a)), free[0])
             cls = classes.of(x, axis)
             if _spans_layers(graph, classes, cls, layer_of):
                 break  # a residual stream (a linear patch embedding's output): not a region
@@ -97,6 +104,14 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
                 covered.add(cls)
             break
     return seeds, heads
+
+
+def _cut_apart(classes: DimClasses, x: int, axis: int) -> bool:
+    """True when a slice cuts the class of the tensor axis (a fused projection's parts)."""
+    return any(
+        op.primitive == "slice" and op.annotation.kinds[d] == "^"
+        for op, d in classes.op_dims(classes.of(x, axis))
+    )
 
 
 def _spans_layers(graph: jscaler.Graph, classes: DimClasses, cls, layer_of: dict[int, int]) -> bool:

@@ -133,10 +133,10 @@ def resnet():
 PARAMS_MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit}
 # weights megatron(tp=2) splits, by path: attention projections (heads), MLP hidden
 # features, the vocabulary. GPT-2 fuses q, k and v in one matmul whose output is cut in
-# three (a `split` op): its c_attn matmul is split by columns and gathered, its attention
-# runs whole on each tp device
+# three (a `split` op): each tp device computes its heads of q, k and v from the (d, 3, d)
+# view of the replicated c_attn kernel (tests/test_fused_projection.py)
 TP_SPLIT = {
-    "gpt2": ["h/0/attn/c_attn/kernel", "h/0/mlp/c_fc/kernel", "h/0/mlp/c_proj/kernel", "wte"],
+    "gpt2": ["h/0/attn/c_proj/kernel", "h/0/mlp/c_fc/kernel", "h/0/mlp/c_proj/kernel", "wte"],
     "llama": ["0/self_attn/k_proj/", "0/self_attn/o_proj/", "0/mlp/up_proj/", "lm_head"],
     "bert": ["0/attention/self/query/kernel", "0/output/dense/kernel", "word_embeddings"],
     "vit": ["0/attention/attention/key/kernel", "0/intermediate/dense/kernel", "classifier"],

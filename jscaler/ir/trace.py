@@ -16,6 +16,7 @@ from jscaler.ir.evaluate import evaluate
 from jscaler.ir.graph import Graph
 from jscaler.ir.loops import refuse_dynamic_loops
 from jscaler.ir.scopes import leaf_scopes, module_classes, module_scopes
+from jscaler.ir.unfuse import unfuse_projections
 
 __all__ = ["Signature", "key_names", "trace"]
 
@@ -240,7 +241,8 @@ def trace(
         for v, role, name in zip(closed.jaxpr.invars, roles, names, strict=True)
     ]
     outs = b.convert(closed.jaxpr, closed.consts, ins)
-    graph = b.graph(ins, outs, sig)
+    # fused q/k/v (gate/up) matmuls on their (parts, features) view: heads split cleanly
+    graph = unfuse_projections(b.graph(ins, outs, sig))
     refuse_dynamic_loops(graph)
     return graph
 
