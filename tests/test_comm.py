@@ -92,7 +92,10 @@ def test_the_table_names_tensors_module_paths_and_phases():
     text = table.format()
     assert "all-gather" in text and "reduce-scatter" in text and "MB per device" in text
     phases = {r.phase for r in table.rows}
-    assert phases == {"forward", "backward"}  # zero-3: no update-side movement
+    # zero-3: no update-side movement; each layer's gathers done again for its backward
+    assert phases == {"forward", "recompute", "backward"}
+    again = [r for r in table.rows if r.phase == "recompute"]
+    assert again and all(r.collective == "all-gather" and "blocks/" in r.path for r in again)
     assert any(r.path.startswith("blocks/0/") for r in table.rows)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jscaler.compile.layout import Layout, replicated
+from jscaler.compile.reshard import reshard_units
 from jscaler.ir.graph import Literal
 
 __all__ = ["CommTable", "Transfer", "comm_table", "convert"]
@@ -175,6 +176,9 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
     for t in g.consts:  # closed-over constants (a mask, an index table): on every device
         producer_layout[t] = replicated(len(g.tensors[t].shape))
     recomputed = {op_id for grp in plan.recompute for op_id in grp}
+    # ZeRO-3 gathers done again for the backward (reshard after forward)
+    units = reshard_units(lowered, list(g.ops)).values()
+    regathered = {t for unit in units for o in unit if o.kind == "identity" for t in o.outputs}
 
     def info(t):
         tensor = g.tensors[t]
@@ -200,8 +204,9 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
                 continue
             seen.add((x, lay))
             shape, isz = info(x)
+            again = [("recompute", m)] if x in regathered and op.id not in recomputed else []
             for kind, axes, nbytes in convert(shape, isz, producer_layout[x], lay, sizes):
-                for phase, times in phases:
+                for phase, times in phases + again:
                     add(phase, kind, x, op.path, axes, nbytes, times)
         for t, lay in zip(op.outputs, lays.outputs):
             final = output_layout(lowered, op, t, lay)

@@ -33,6 +33,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jscaler.compile.layout import Layout, layout_of, reduced_layout, replicated
 from jscaler.compile.local import transition, vary, varying
 from jscaler.compile.regions import manual_regions
+from jscaler.compile.reshard import reshard_units, run_resharded
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Literal, Op
 from jscaler.ir.rules_elementwise import PLACEMENT
@@ -243,13 +244,22 @@ def run_ops(low: Lowered, ops, env: dict, have: dict) -> None:
     runs at its last op, so all of its ops must be among ``ops``."""
     ids = {o.id for o in ops}
     done: set[int] = set()
+    units = reshard_units(low, ops)
+    in_units = {o.id for unit in units.values() for o in unit}
     for recompute, seg in _segments(low.plan, ops):
         if recompute:
             _run_checkpointed(low, seg, env, have)
             continue
         for op in seg:
+            if op.id in units:
+                run_resharded(low, units[op.id], env, have, _run_op)
+                done.update(o.id for o in units[op.id])
             pre = low.prefetch.get(op.id)
-            if pre is not None and all(o.id in ids for o in pre.identities):
+            if (
+                pre is not None
+                and all(o.id in ids for o in pre.identities)
+                and not any(o.id in in_units for o in pre.identities)
+            ):
                 _run_prefetch(low, pre, env, have, done)
             if op.id not in done:
                 _run_op(low, op, env, have)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jscaler.compile.comm import NON_DIFFERENTIABLE, comm_table
 from jscaler.compile.layout import Layout
 from jscaler.compile.lower import lower
+from jscaler.compile.reshard import reshard_units
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
 from jscaler.ir.graph import Literal
@@ -355,8 +356,17 @@ def _memory(low, g, sizes, slots: int, scale: float = 1.0) -> dict:
         for t, lay in zip(op.outputs, low.ops[op.id].outputs):
             produced[t] = lay
     saved = saved_for_backward(g, recompute_groups(low.plan))
+    # ZeRO-3's gathered weights are dropped after each layer's forward (reshard after
+    # forward): one layer's are alive at a time, not every layer's until the backward
+    gathered = [
+        [t for o in unit if o.kind == "identity" for t in o.outputs]
+        for unit in reshard_units(low, list(g.ops)).values()
+    ]
+    saved -= {t for ts in gathered for t in ts}
     acts = scale * sum(size(t, produced[t]) for t in saved if t in produced)
-    acts += scale * working_set(low)
+    acts += scale * max(
+        working_set(low), *(sum(size(t, produced[t]) for t in ts) for ts in gathered), 0.0
+    )
     return memory_breakdown(params, grads, opt, batch, acts)
 
 

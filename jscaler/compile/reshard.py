@@ -1,0 +1,144 @@
+"""ZeRO-3's reshard after forward: a layer's gathered weights are not kept for its backward.
+
+A ZeRO-3 plan stores each parameter split over the devices and gathers it (an identity op
+whose output layout is the consumers') where a layer uses it. Differentiated as it is, the
+gathered copy is a residual of the layer's matmuls: every layer's full weights stay alive
+from the forward to the backward, and ZeRO-3 saves little over data parallelism. FSDP's
+answer, done here per layer (a *unit*: the ops of one entry of a module list holding
+gathers):
+
+* the unit runs under ``jax.checkpoint`` with a policy that saves everything except the
+  outputs of sharding constraints, so the stored (split) parameter is the residual and the
+  gather runs again in the backward (an activation's constraint, redone from the saved
+  value before it, moves nothing);
+* a ``custom_vjp`` around it makes the backward read its residuals through an
+  optimization barrier with the incoming cotangent, and the stored weights are constrained
+  back to their stored layout after it: without that, sharding propagation carries the
+  gathered layout back across the barrier and XLA merges the backward's gather with the
+  forward's (the same collective on the same operand) -- which is keeping it. The
+  forward reads them through one with the unit's other inputs likewise.
+* the unit's outputs are only the values read after it (a custom_vjp's every output gets a
+  cotangent, zeros included).
+
+Measured (gpt-small, 8 devices, adamw): ``zero(stage=3)`` 320 -> 265 MB per device
+against plain ``jax.jit`` FSDP's 307 MB (0.86x), at 1.6x its collective bytes
+(136 MB of all-gathers where FSDP has 68). XLA's CPU scheduler orders the gathers by data
+dependence alone (the barriers do not survive to scheduling there), so the "one layer
+ahead" prefetch of the forward is off inside units: each layer gathers when it starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from jscaler.ir.graph import Literal, Op
+
+__all__ = ["reshard_units", "run_resharded"]
+
+
+def reshard_units(low, ops: list[Op]) -> dict[int, list[Op]]:
+    """First op id -> the ops of a layer (``graph.layers()``) among ``ops`` that holds ZeRO-3
+    gathers and runs as a resharded unit: contiguous in ``ops``, not recomputed (a
+    recompute group is already rematerialised), every manual region it touches inside it."""
+    plan = low.plan
+    g = plan.pgraph.graph
+    if not any(o.kind == "identity" for o in ops):
+        return {}
+    position = {o.id: k for k, o in enumerate(ops)}
+    region_ops: dict[int, set[int]] = {}
+    for op_id, region in low.regions.items():
+        region_ops.setdefault(id(region), set()).add(op_id)
+    units = {}
+    for layer in g.layers():
+        mine = [o for o in layer.graph.ops if o.id in position]
+        if not any(o.kind == "identity" for o in mine):
+            continue
+        at = sorted(position[o.id] for o in mine)
+        if at != list(range(at[0], at[0] + len(at))):
+            continue
+        ids = {o.id for o in mine}
+        if any(plan.is_recomputed(i) for i in ids):
+            continue
+        if any(region_ops[id(low.regions[i])] - ids for i in ids if i in low.regions):
+            continue
+        unit = [ops[k] for k in at]
+        units[unit[0].id] = unit
+    return units
+
+
+def _saveable(prim, *_, **__) -> bool:
+    return prim.name != "sharding_constraint"
+
+
+def run_resharded(low, ops: list[Op], env: dict, have: dict, run_op: Callable) -> None:
+    """Runs one unit (:func:`reshard_units`) on ``env``/``have`` as :func:`run_ops` would,
+    with its gathered weights dropped after the forward and gathered again in the backward.
+    ``run_op(low, op, env, have)`` runs one op."""
+    graph_inputs = set(low.plan.pgraph.graph.inputs)
+    produced = {t for o in ops for t in o.outputs}
+    needed = list(dict.fromkeys(t for o in ops for t in o.tensor_inputs if t not in produced))
+    stored = [k for k, t in enumerate(needed) if t in graph_inputs]
+    # only what is read after the unit: a custom_vjp's every output gets a cotangent
+    g = low.plan.pgraph.graph
+    inside = {o.id for o in ops}
+    read = {t for o in g.ops if o.id not in inside for t in o.tensor_inputs}
+    read |= {t for t in g.outputs if not isinstance(t, Literal)}
+    outputs = list(dict.fromkeys(t for o in ops for t in o.outputs if t in read))
+    made: dict = {}
+
+    def body(vals):
+        local_env = dict(zip(needed, vals))
+        local_have = {t: have[t] for t in needed if t in have}
+        for o in ops:
+            run_op(low, o, local_env, local_have)
+        names = [t for t in outputs if t in local_env]  # a manual region skips its insides
+        made["names"], made["layouts"] = names, [local_have[t] for t in names]
+        return [local_env[t] for t in names]
+
+    checkpointed = jax.checkpoint(body, policy=_saveable)
+
+    def restore(vals: list, at: list[int]) -> list:
+        # after a barrier: the stored weights back on their stored layout, so the gather
+        # stays on this side of it
+        vals = list(vals)
+        for k in at:
+            vals[k] = jax.lax.with_sharding_constraint(
+                vals[k], low.sharding(low.storage[needed[k]])
+            )
+        return vals
+
+    def held(vals):
+        return restore(jax.lax.optimization_barrier(list(vals)), stored)
+
+    @jax.custom_vjp
+    def unit(vals):
+        return checkpointed(held(vals))
+
+    residual_at: dict = {}
+
+    def fwd(vals):
+        vals = held(vals)
+        out, vjp = jax.vjp(checkpointed, vals)
+        leaves, _ = jax.tree_util.tree_flatten(vjp)
+        # which residuals are the stored weights (by identity: jax.vjp keeps its inputs)
+        residual_at["stored"] = [
+            (j, needed[k]) for j, leaf in enumerate(leaves) for k in stored if leaf is vals[k]
+        ]
+        return out, vjp
+
+    def bwd(vjp, ct):
+        leaves, tdef = jax.tree_util.tree_flatten(vjp)
+        real = [c for c in ct if c.dtype != jax.dtypes.float0]
+        leaves, real = jax.lax.optimization_barrier((leaves, real))
+        it = iter(real)
+        ct = [c if c.dtype == jax.dtypes.float0 else next(it) for c in ct]
+        for j, t in residual_at["stored"]:
+            leaves[j] = jax.lax.with_sharding_constraint(leaves[j], low.sharding(low.storage[t]))
+        return jax.tree_util.tree_unflatten(tdef, leaves)(ct)
+
+    unit.defvjp(fwd, bwd)
+    outs = unit([env[t] for t in needed])
+    env.update(zip(made["names"], outs))
+    have.update(zip(made["names"], made["layouts"]))
