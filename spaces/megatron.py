@@ -147,6 +147,22 @@ def tp_regions(classes: DimClasses, seeds, pieces: int):
             yield [op for op, _ in dims], seed
 
 
+def _closed_by_a_weight_op(graph, classes: DimClasses, seed) -> bool:
+    """Whether a matmul or convolution reading a parameter sums the seed's class away (an
+    attention's output projection, an MLP's down projection): a region then ends with one
+    reduction. A class the loss consumes instead (the LM head's vocabulary, cut by a
+    label lookup between its reductions) stays with XLA."""
+    params = {t.id for t in graph.params()}
+    for op, d in classes.op_dims(classes.of(*seed)):
+        if (
+            op.primitive in ("dot_general", "conv_general_dilated")
+            and op.annotation.kinds[d] == "+"
+            and any(t in params for t in op.tensor_inputs)
+        ):
+            return True
+    return False
+
+
 def _needed_whole(graph, classes, op, cls) -> bool:
     """True when a consumer of the op's output cannot split the class's dim."""
     for user in graph.consumers(op.outputs[0]):
@@ -203,8 +219,9 @@ class Megatron:
         plan = split_classes(plan, seeds + seq, self.tp, classes=classes, choose=choose)
         plan = zero_over(assign_mesh(plan, ["dp", "tp"]), graph, self.zero)
         if self.regions:
-            for ops, _ in tp_regions(classes, seeds, self.tp):
-                plan, _ = op_trans(plan, ops, manual())
+            for ops, seed in tp_regions(classes, seeds, self.tp):
+                if _closed_by_a_weight_op(graph, classes, seed):
+                    plan, _ = op_trans(plan, ops, manual())
         return recompute_layers(plan, self.recompute)
 
 
