@@ -8,9 +8,10 @@ answer, done here per layer (a *unit*: the ops of one entry of a module list hol
 gathers):
 
 * the unit runs under ``jax.checkpoint`` with a policy that saves everything except the
-  outputs of sharding constraints, so the stored (split) parameter is the residual and the
-  gather runs again in the backward (an activation's constraint, redone from the saved
-  value before it, moves nothing);
+  outputs of sharding constraints and views (:data:`VIEWS`: reshapes, transposes, casts),
+  so the stored (split) parameter is the residual and the gather, and whatever view of
+  the gathered weight its matmul reads, runs again in the backward (an activation's
+  constraint or view, redone from the saved value before it, moves nothing);
 * a ``custom_vjp`` around it makes the backward read its residuals through an
   optimization barrier with the incoming cotangent, and the stored weights are constrained
   back to their stored layout after it: without that, sharding propagation carries the
@@ -20,11 +21,13 @@ gathers):
 * the unit's outputs are only the values read after it (a custom_vjp's every output gets a
   cotangent, zeros included).
 
-Measured (gpt-small, 8 devices, adamw): ``zero(stage=3)`` 320 -> 265 MB per device
-against plain ``jax.jit`` FSDP's 307 MB (0.86x), at 1.6x its collective bytes
-(136 MB of all-gathers where FSDP has 68). XLA's CPU scheduler orders the gathers by data
-dependence alone (the barriers do not survive to scheduling there), so the "one layer
-ahead" prefetch of the forward is off inside units: each layer gathers when it starts.
+Measured (8 devices, adamw, per device; plain ``jax.jit`` FSDP in brackets):
+``zero(stage=3)`` on gpt-small 320 -> 264 MB (307), Hugging Face Flax GPT-2 97 -> 93 MB
+(88), Llama 99 -> 91 MB (96), at 1.4-1.7x FSDP's collective bytes (the second gather).
+A model with no module list (a params-pytree function) has no layers to cut into units
+and is not resharded. The forward's one-layer-ahead prefetch is off inside units (the
+next layer's gathered weights would be a unit's output, kept): each layer gathers when
+it starts.
 """
 
 from __future__ import annotations
@@ -68,8 +71,17 @@ def reshard_units(low, ops: list[Op]) -> dict[int, list[Op]]:
     return units
 
 
+# not saved, redone in the backward: layout changes and views, which is what lies between
+# a stored weight and its matmul (the gather, a cast, a transpose, a fused kernel's
+# (d, parts, d) view); an activation's are redone from the value before them, as large
+VIEWS = frozenset({
+    "sharding_constraint", "reshape", "transpose", "squeeze", "expand_dims",
+    "broadcast_in_dim", "convert_element_type", "copy",
+})  # fmt: skip
+
+
 def _saveable(prim, *_, **__) -> bool:
-    return prim.name != "sharding_constraint"
+    return prim.name not in VIEWS
 
 
 def run_resharded(low, ops: list[Op], env: dict, have: dict, run_op: Callable) -> None:
