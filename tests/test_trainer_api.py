@@ -116,11 +116,10 @@ def test_a_non_finite_update_from_a_finite_loss_changes_nothing(plan, m):
 
 def _with_lr(state, lr):
     """The state with inject_hyperparams' learning rate set to ``lr`` (same placement)."""
-    opt = state.opt_state
-    rate = opt.hyperparams["learning_rate"]
+    rate = state.opt_state.hyperparams["learning_rate"]
     new = jax.device_put(jnp.asarray(lr, rate.dtype), rate.sharding)
-    hyper = {**opt.hyperparams, "learning_rate": new}
-    return dataclasses.replace(state, opt_state=opt._replace(hyperparams=hyper))
+    opt = optax.tree_utils.tree_set(state.opt_state, learning_rate=new)
+    return dataclasses.replace(state, opt_state=opt)
 
 
 def test_the_finite_check_keeps_no_second_copy_of_the_state():
