@@ -34,6 +34,7 @@ from jscaler.compile.layout import Layout, layout_of, reduced_layout, replicated
 from jscaler.compile.local import transition, vary, varying
 from jscaler.compile.regions import manual_regions
 from jscaler.compile.reshard import reshard_units, run_resharded
+from jscaler.compile.segment import Segment
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Literal, Op
 from jscaler.ir.rules_elementwise import PLACEMENT
@@ -299,25 +300,9 @@ def _segments(plan: Plan, ops):
 
 
 def _run_checkpointed(low: Lowered, ops, env, have):
-    produced = {t for o in ops for t in o.outputs}
-    needed = [t for o in ops for t in o.tensor_inputs if t not in produced]
-    needed = list(dict.fromkeys(needed))
-    outputs = list(produced)
-
-    layouts = {}
-
-    def values_only(*vals):
-        local_env = dict(zip(needed, vals))
-        local_have = {t: have[t] for t in needed if t in have}
-        for o in ops:
-            _run_op(low, o, local_env, local_have)
-        made = [t for t in outputs if t in local_env]  # a manual region skips its insides
-        layouts["names"], layouts["out"] = made, [local_have[t] for t in made]
-        return [local_env[t] for t in made]
-
-    outs = jax.checkpoint(values_only)(*[env[t] for t in needed])
-    env.update(zip(layouts["names"], outs))
-    have.update(zip(layouts["names"], layouts["out"]))
+    seg = Segment(low, ops, have, _run_op)
+    outs = jax.checkpoint(lambda *vals: seg(vals))(*[env[t] for t in seg.needed])
+    seg.store(outs, env, have)
 
 
 def _run_op(low: Lowered, op: Op, env, have):

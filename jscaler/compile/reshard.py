@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import jax
 
+from jscaler.compile.segment import Segment
 from jscaler.ir.graph import Literal, Op
 
 __all__ = ["reshard_units", "run_resharded"]
@@ -88,41 +89,25 @@ def run_resharded(low, ops: list[Op], env: dict, have: dict, run_op: Callable) -
     """Runs one unit (:func:`reshard_units`) on ``env``/``have`` as :func:`run_ops` would,
     with its gathered weights dropped after the forward and gathered again in the backward.
     ``run_op(low, op, env, have)`` runs one op."""
-    graph_inputs = set(low.plan.pgraph.graph.inputs)
-    produced = {t for o in ops for t in o.outputs}
-    needed = list(dict.fromkeys(t for o in ops for t in o.tensor_inputs if t not in produced))
-    stored = [k for k, t in enumerate(needed) if t in graph_inputs]
-    # only what is read after the unit: a custom_vjp's every output gets a cotangent
     g = low.plan.pgraph.graph
+    # only what is read after the unit: a custom_vjp's every output gets a cotangent
     inside = {o.id for o in ops}
     read = {t for o in g.ops if o.id not in inside for t in o.tensor_inputs}
     read |= {t for t in g.outputs if not isinstance(t, Literal)}
-    outputs = list(dict.fromkeys(t for o in ops for t in o.outputs if t in read))
-    made: dict = {}
+    seg = Segment(low, ops, have, run_op, [t for o in ops for t in o.outputs if t in read])
+    needed = seg.needed
+    graph_inputs = set(g.inputs)
+    stored = [k for k, t in enumerate(needed) if t in graph_inputs]
+    checkpointed = jax.checkpoint(seg, policy=_saveable)
 
-    def body(vals):
-        local_env = dict(zip(needed, vals))
-        local_have = {t: have[t] for t in needed if t in have}
-        for o in ops:
-            run_op(low, o, local_env, local_have)
-        names = [t for t in outputs if t in local_env]  # a manual region skips its insides
-        made["names"], made["layouts"] = names, [local_have[t] for t in names]
-        return [local_env[t] for t in names]
-
-    checkpointed = jax.checkpoint(body, policy=_saveable)
-
-    def restore(vals: list, at: list[int]) -> list:
-        # after a barrier: the stored weights back on their stored layout, so the gather
-        # stays on this side of it
-        vals = list(vals)
-        for k in at:
-            vals[k] = jax.lax.with_sharding_constraint(
-                vals[k], low.sharding(low.storage[needed[k]])
-            )
-        return vals
+    def on_storage(v, t):
+        # after a barrier: a stored weight back on its stored layout, so that its gather
+        # stays on this side of the barrier
+        return jax.lax.with_sharding_constraint(v, low.sharding(low.storage[t]))
 
     def held(vals):
-        return restore(jax.lax.optimization_barrier(list(vals)), stored)
+        vals = jax.lax.optimization_barrier(list(vals))
+        return [on_storage(v, needed[k]) if k in stored else v for k, v in enumerate(vals)]
 
     @jax.custom_vjp
     def unit(vals):
@@ -147,10 +132,8 @@ def run_resharded(low, ops: list[Op], env: dict, have: dict, run_op: Callable) -
         it = iter(real)
         ct = [c if c.dtype == jax.dtypes.float0 else next(it) for c in ct]
         for j, t in residual_at["stored"]:
-            leaves[j] = jax.lax.with_sharding_constraint(leaves[j], low.sharding(low.storage[t]))
+            leaves[j] = on_storage(leaves[j], t)
         return jax.tree_util.tree_unflatten(tdef, leaves)(ct)
 
     unit.defvjp(fwd, bwd)
-    outs = unit([env[t] for t in needed])
-    env.update(zip(made["names"], outs))
-    have.update(zip(made["names"], made["layouts"]))
+    seg.store(unit([env[t] for t in needed]), env, have)
