@@ -23,6 +23,8 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+BATCH = P("dp")  # every baseline splits the batch over the data axis
+
 
 def path_name(keys) -> str:
     """``"blocks/0/qkv/kernel"``: a pytree path joined by ``/`` (nnx's ``value`` dropped)."""
@@ -38,12 +40,12 @@ class ParamsStep:
     """A jitted training step over a params pytree with the given layouts; ``step`` and
     ``compiled`` as :class:`jscaler.Trainer`'s."""
 
-    def __init__(self, params, loss_fn, optimizer, batch, mesh: Mesh, spec):
+    def __init__(self, params, loss_fn, optimizer, batch, mesh: Mesh, spec, batch_spec=BATCH):
         shard = lambda s: NamedSharding(mesh, s)  # noqa: E731
         p_shard = jax.tree_util.tree_map_with_path(
             lambda k, x: shard(spec(path_name(k), x)), params
         )
-        b_shard = jax.tree_util.tree_map(lambda _: shard(P("dp")), batch)
+        b_shard = jax.tree_util.tree_map(lambda _: shard(batch_spec), batch)
         rep = shard(P())
         o_shard = optax.tree_map_params(
             optimizer,
