@@ -51,15 +51,7 @@ _PARAM_VIEWS = ("convert_element_type", "copy", "identity", "transpose", "reshap
 
 def _param_source(graph: jscaler.Graph, t: int) -> int | None:
     """The parameter a tensor is (through dtype conversions and transposes), or None."""
-    for _ in range(4):
-        tensor = graph.tensors[t]
-        if tensor.role == "param":
-            return t
-        op = graph.producer(t)
-        if op is None or op.primitive not in _PARAM_VIEWS:
-            return None
-        t = op.inputs[0]
-    return None
+    return graph.param_behind(t, _PARAM_VIEWS)
 
 
 def tp_seeds(graph: jscaler.Graph, classes: DimClasses):

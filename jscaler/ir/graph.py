@@ -178,6 +178,20 @@ class Graph:
         """The trained parameters among the inputs, in input order."""
         return tuple(self.tensors[i] for i in self.inputs if self.tensors[i].role == "param")
 
+    def param_behind(self, t, views) -> int | None:
+        """The parameter tensor ``t`` is, through at most three ops whose primitives are in
+        ``views`` (a weight's casts and transposes before its matmul), or None."""
+        for _ in range(4):
+            if isinstance(t, Literal):
+                return None
+            if self.tensors[t].role == "param":
+                return t
+            op = self.producer(t)
+            if op is None or op.primitive not in views:
+                return None
+            t = op.inputs[0]
+        return None
+
     # ---- subgraphs -------------------------------------------------------------------
 
     def subgraph(self, ops: Sequence[Op]) -> Graph:

@@ -101,17 +101,7 @@ def _weight_side(graph: Graph, dot: Op, out_axis: int) -> int | None:
     if found is None:
         return None
     side, _ = found
-    t = dot.inputs[side]
-    for _ in range(4):
-        if isinstance(t, Literal):
-            return None
-        if graph.tensors[t].role == "param":
-            return side
-        op = graph.producer(t)
-        if op is None or op.primitive not in _WEIGHT_VIEWS:
-            return None
-        t = op.inputs[0]
-    return None
+    return None if graph.param_behind(dot.inputs[side], _WEIGHT_VIEWS) is None else side
 
 
 def _free_axis(graph: Graph, dot: Op, out_axis: int) -> tuple[int, int] | None:
