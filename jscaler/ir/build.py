@@ -3,9 +3,11 @@ calls whole, keeps scans as loop ops, and annotates and counts every op."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 
+import jax
 import jax.extend.core as jcore
 
 from jscaler.errors import AnnotationError, UnsupportedOpError
@@ -72,6 +74,35 @@ class Builder:
             self.consts,
             signature,
         )
+
+    def splice(self, graph: Graph, replace: dict[int, list[Op]], dropped: set[int]) -> Graph:
+        """``graph`` rewritten: op ``k`` of ``replace`` becomes the ops built here for it
+        (which write its outputs), the other ``dropped`` ops go with the tensors only they
+        wrote; ops are renumbered in order."""
+        gone = {t for o in graph.ops if o.id in dropped and o.id not in replace for t in o.outputs}
+        ops = []
+        for op in graph.ops:
+            if op.id in replace:
+                ops.extend(replace[op.id])
+            elif op.id not in dropped:
+                ops.append(op)
+        ops = [dataclasses.replace(o, id=i) for i, o in enumerate(ops)]
+        tensors = {t: v for t, v in graph.tensors.items() if t not in gone}
+        used = {t for o in ops for t in (*o.tensor_inputs, *o.outputs)}
+        tensors.update({t: v for t, v in self.tensors.items() if t in used})
+        g = graph
+        return Graph(tensors, tuple(ops), g.inputs, g.outputs, g.consts, g.signature)
+
+    def emit(self, fn, ins: list, path: str, avals) -> list:
+        """Traces ``fn`` on the avals of tensors ``ins`` and adds its ops, under ``path``."""
+        closed = jax.make_jaxpr(fn)(*(avals(t) for t in ins))
+        return self.convert(closed.jaxpr, closed.consts, list(ins), path)
+
+    def rename_outputs(self, start: int, rename: dict[int, int]) -> None:
+        """Ops from ``start`` on write ``rename[t]`` where they wrote ``t``."""
+        for k in range(start, len(self.ops)):
+            o = self.ops[k]
+            self.ops[k] = dataclasses.replace(o, outputs=tuple(rename.get(x, x) for x in o.outputs))
 
     def convert(self, jaxpr, consts, in_ids, prefix: str = "") -> list:
         """Adds the ops of ``jaxpr`` fed by ``in_ids``; returns its output ids/literals."""

@@ -26,7 +26,7 @@ def gather(eqn):
     op_dims: list = [None] * len(operand)
     for a, b in zip(op_batch, idx_batch):
         op_dims[a] = idx_dims[b]
-    embedding = len(indexed) == 1 and indexed <= collapsed and not op_batch
+    embedding = len(indexed) == 1 and indexed <= collapsed
     offset_axes = []
     for a in range(len(operand)):
         if op_dims[a] is not None:

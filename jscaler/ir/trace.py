@@ -16,6 +16,7 @@ from jscaler.ir.evaluate import evaluate
 from jscaler.ir.graph import Graph
 from jscaler.ir.loops import refuse_dynamic_loops
 from jscaler.ir.scopes import leaf_scopes, module_classes, module_scopes
+from jscaler.ir.extrema import two_level_extrema
 from jscaler.ir.unfuse import unfuse_projections
 
 __all__ = ["Signature", "key_names", "trace"]
@@ -243,6 +244,8 @@ def trace(
     outs = b.convert(closed.jaxpr, closed.consts, ins)
     # fused q/k/v (gate/up) matmuls on their (parts, features) view: heads split cleanly
     graph = unfuse_projections(b.graph(ins, outs, sig))
+    # a loss's max over the vocabulary in two levels: the logits can stay split
+    graph = two_level_extrema(graph)
     refuse_dynamic_loops(graph)
     return graph
 

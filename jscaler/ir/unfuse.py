@@ -18,8 +18,6 @@ contiguous split of a reshaped view. The values are the same, op for op.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 
 from jscaler.ir.build import Builder
@@ -49,19 +47,7 @@ def unfuse_projections(graph: Graph) -> Graph:
         _rewrite(graph, b, dot, side, chain, split)
         replace[split.id] = b.ops[start:]
         dropped |= {dot.id, split.id, *(o.id for o in chain)}
-    # the intermediate tensors go; the split's outputs stay, made by the new slices
-    gone = {t for o in graph.ops if o.id in dropped and o.id not in replace for t in o.outputs}
-    ops = []
-    for op in graph.ops:
-        if op.id in replace:
-            ops.extend(replace[op.id])
-        elif op.id not in dropped:
-            ops.append(op)
-    ops = [dataclasses.replace(o, id=i) for i, o in enumerate(ops)]
-    tensors = {t: v for t, v in graph.tensors.items() if t not in gone}
-    used = {t for o in ops for t in (*o.tensor_inputs, *o.outputs)}
-    tensors.update({t: v for t, v in b.tensors.items() if t in used})
-    return Graph(tensors, tuple(ops), graph.inputs, graph.outputs, graph.consts, graph.signature)
+    return b.splice(graph, replace, dropped)
 
 
 def _match(graph: Graph, split: Op):
@@ -139,8 +125,7 @@ def _rewrite(graph: Graph, b: Builder, dot: Op, side: int, chain: list[Op], spli
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
     def emit(fn, ins, path):
-        closed = jax.make_jaxpr(fn)(*(aval(t) for t in ins))
-        return b.convert(closed.jaxpr, closed.consts, list(ins), path)
+        return b.emit(fn, ins, path, aval)
 
     def view_of(x):  # the (parts, features) view of the split axis (kept if broadcast)
         if x.ndim == 0:
@@ -180,10 +165,7 @@ def _rewrite(graph: Graph, b: Builder, dot: Op, side: int, chain: list[Op], spli
 
     start = len(b.ops)
     outs = emit(cut, [t], split.path)
-    rename = dict(zip(outs, split.outputs, strict=True))
-    for k in range(start, len(b.ops)):
-        o = b.ops[k]
-        b.ops[k] = dataclasses.replace(o, outputs=tuple(rename.get(x, x) for x in o.outputs))
+    b.rename_outputs(start, dict(zip(outs, split.outputs, strict=True)))
 
 
 def _on_view(op: Op, fused: int, view_of):
