@@ -248,12 +248,12 @@ class Graph:
     def _find_layers(self) -> tuple[Layer, ...]:
         members: dict[tuple[str, str], dict[int, list[Op]]] = {}
         for o in self.ops:
-            parts = o.path.split("/") if o.path else []
-            k = next((k for k, p in enumerate(parts) if k > 0 and p.isdigit()), None)
-            if k is None:
-                continue
-            key = ("/".join(parts[: k - 1]), parts[k - 1])
-            members.setdefault(key, {}).setdefault(int(parts[k]), []).append(o)
+            entry = _list_entry(o.path)
+            if entry is not None:
+                key, i = entry
+                members.setdefault(key, {}).setdefault(i, []).append(o)
+        if not members:
+            members = self._members_by_params()
         families: dict[tuple[str, tuple[int, ...]], list[str]] = {}
         for (parent, lst), entries in members.items():
             families.setdefault((parent, tuple(sorted(entries))), []).append(lst)
@@ -265,6 +265,41 @@ class Graph:
                 name = "+".join(f"{prefix}{lst}/{i}" for lst in lists)
                 layers.append((min(o.id for o in ops), Layer(name, i, self.subgraph(ops))))
         return tuple(layer for _, layer in sorted(layers, key=lambda x: x[0]))
+
+    def _members_by_params(self) -> dict[tuple[str, str], dict[int, list[Op]]]:
+        """Module-list entries of a graph whose ops carry no module paths (a function of a
+        params pytree): from the parameters' names. An op reading a parameter of entry i
+        of a list (``blocks/3/qkv/kernel``, directly or through casts, transposes and
+        reshapes) belongs to that entry; one reading another parameter to none; an op
+        reading no parameter to the entry of the last op that did. Only lists whose
+        entries hold the same parameters count (repeated layers)."""
+        views = {"convert_element_type", "copy", "transpose", "reshape", "broadcast_in_dim"}
+        members: dict[tuple[str, str], dict[int, list[Op]]] = {}
+        current = None
+        for o in self.ops:
+            names = []
+            for t in o.tensor_inputs:
+                p = self.param_behind(t, views)
+                if p is not None:
+                    names.append(self.tensors[p].name)
+            if names:
+                entries = {_list_entry(n) for n in names}
+                current = entries.pop() if len(entries) == 1 else None
+            if current is not None:
+                key, i = current
+                members.setdefault(key, {}).setdefault(i, []).append(o)
+        return {k: v for k, v in members.items() if len(v) > 1 and self._same_params(k, v)}
+
+    def _same_params(self, key: tuple[str, str], entries: dict[int, list[Op]]) -> bool:
+        """Whether every entry of list ``key`` holds the same parameters (names below the
+        entry, shapes): repeated layers, not a list of differently shaped ones."""
+        prefix = f"{key[0]}/{key[1]}/" if key[0] else f"{key[1]}/"
+        held: dict[str, set] = {}
+        for t in self.params():
+            if t.name.startswith(prefix):
+                i, _, rest = t.name[len(prefix) :].partition("/")
+                held.setdefault(i, set()).add((rest, t.shape))
+        return len(held) == len(entries) and len({frozenset(v) for v in held.values()}) == 1
 
     # ---- analysis --------------------------------------------------------------------
 
@@ -302,3 +337,13 @@ def _glob_regex(pattern: str) -> re.Pattern:
             parts.append(".*")
         parts.append(fnmatch.translate(piece)[4:-3].replace(".*", "[^/]*"))
     return re.compile("^(?:" + "".join(parts) + ")(?:/.*)?$")
+
+
+def _list_entry(path: str) -> tuple[tuple[str, str], int] | None:
+    """``((parent, list name), index)`` of the first module-list entry in ``path``
+    (``model/blocks/3/attn`` -> ``(("model", "blocks"), 3)``), or None."""
+    parts = path.split("/") if path else []
+    k = next((k for k, p in enumerate(parts) if k > 0 and p.isdigit()), None)
+    if k is None:
+        return None
+    return ("/".join(parts[: k - 1]), parts[k - 1]), int(parts[k])
