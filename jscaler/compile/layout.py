@@ -40,6 +40,11 @@ class Layout:
         """This layout once its partial sums are added up."""
         return Layout(self.spec)
 
+    def local_bytes(self, shape, itemsize: int, sizes: dict[str, int]) -> int:
+        """Bytes of one device's piece of a tensor of ``shape`` under this layout."""
+        parts = math.prod(sizes[a] for axes in self.spec for a in axes)
+        return math.prod(shape) * itemsize // parts
+
     def axes_used(self) -> set[str]:
         return {a for axes in self.spec for a in axes} | set(self.partial)
 
