@@ -66,6 +66,23 @@ def test_bf16_step_computes_its_matmuls_in_bf16():
     assert "bf16[" in text and "convert(" in text
 
 
+def test_bf16_megatron_needs_far_less_memory_than_fp32_on_a_plain_jax_gpt():
+    """A plain-JAX GPT (x @ W, no module dtype to upcast) computes in bf16 under
+    megatron(tp=8, precision="bf16"): its activations are half the size. (The bench's
+    fused GPT: 607 -> 352 MB per device. Its collective bytes stay the fp32 ones on this
+    backend: XLA:CPU promotes bf16 all-reduces and all-gathers to f32.)"""
+    from test_fused_projection import fused_gpt
+
+    params, loss, batch = fused_gpt(d=64, layers=2, seq=64, ffn=128, vocab=1024)
+    b = batch(0)
+    temp = {}
+    for precision in ("fp32", "bf16"):
+        plan = megatron(tp=8, precision=precision)
+        trainer = jscaler.parallelize(params, loss, optax.adamw(1e-3), b, devices=8, plan=plan)
+        temp[precision] = trainer.compiled(b).memory_analysis().temp_size_in_bytes
+    assert temp["bf16"] < 0.7 * temp["fp32"], temp  # measured 3.75 MB against 6.82 MB
+
+
 def test_unknown_precision_is_a_plan_error():
     spec = models.get("mlp-tiny")
     with pytest.raises(jscaler.PlanError, match="precision='fp8'"):
