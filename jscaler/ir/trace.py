@@ -13,10 +13,10 @@ from flax import nnx
 from jscaler.errors import TraceError
 from jscaler.ir.build import Builder
 from jscaler.ir.evaluate import evaluate
+from jscaler.ir.extrema import two_level_extrema
 from jscaler.ir.graph import Graph
 from jscaler.ir.loops import refuse_dynamic_loops
 from jscaler.ir.scopes import leaf_scopes, module_classes, module_scopes
-from jscaler.ir.extrema import two_level_extrema
 from jscaler.ir.unfuse import unfuse_projections
 
 __all__ = ["Signature", "key_names", "trace"]
