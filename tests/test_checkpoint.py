@@ -243,6 +243,54 @@ def test_damaged_checkpoints_are_skipped_then_refused(tmp_path):
         fresh.restore(tmp_path / "nothing-here")
 
 
+def flip_bytes(step_dir: Path, n: int = 64):
+    """Inverts ``n`` bytes in the middle of the step's largest array file (size kept)."""
+    files = [f for f in (step_dir / "arrays").rglob("*") if f.is_file() and f.parent.name == "d"]
+    f = max(files, key=lambda f: f.stat().st_size)
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])
+    f.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_in_an_array_file_are_found_not_restored(tmp_path):
+    """Same size, readable, wrong values: the checksums recorded at save catch it (the
+    array file read back without them gave one parameter off by 1e38)."""
+    trainer = mlp_trainer()
+    saved = {}
+    for s in range(2):
+        trainer.step(mlp_batch(s))
+        trainer.save(tmp_path)
+        saved[trainer.step_count] = host(trainer.params)
+    flip_bytes(tmp_path / "2")
+    fresh = mlp_trainer()
+    with pytest.warns(UserWarning, match=r"2: parameter 'layers/\d/[wb]' is damaged on disk"):
+        assert fresh.restore(tmp_path) == 1
+    for x, y in zip(host(fresh.params), saved[1]):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(jscaler.CheckpointError, match="cannot restore step 2 .*damaged on disk"):
+        fresh.restore(tmp_path, step=2)
+
+
+def test_checksums_are_the_same_under_any_sharding_and_see_one_changed_word():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jscaler.runtime.fingerprint import fingerprints
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jax.random.normal(jax.random.key(0), (16, 24))
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for spec in (P(), P("d"), P(None, "d"))]
+    host_copy = np.asarray(x)
+    sums = fingerprints([*placed, host_copy, x.astype(jnp.bfloat16), jax.random.key(3)])
+    assert len(set(sums[:4])) == 1
+    moved = host_copy.copy()
+    moved[[0, 1]] = moved[[1, 0]]  # the same words in other places
+    changed = host_copy.copy()
+    changed[5, 7] = np.nextafter(changed[5, 7], np.inf)
+    assert len({sums[0], *fingerprints([moved, changed])}) == 3
+
+
 def test_a_model_of_other_shapes_is_refused_by_name(tmp_path):
     trainer = mlp_trainer()
     trainer.save(tmp_path)

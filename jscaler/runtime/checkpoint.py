@@ -9,7 +9,10 @@ step number is complete unless something damaged it later. It holds
   shard by shard from wherever the trainer keeps it;
 * ``jscaler``: JSON metadata: format, jscaler version, plan, step, and the name, shape and
   dtype of every array, so that restoring into another model fails with a message that
-  names the first array that differs.
+  names the first array that differs; and a checksum of every array
+  (:mod:`jscaler.runtime.fingerprint`), checked when it is read back, so an array damaged
+  on disk is found (a step asked for raises, the newest-usable search skips it) instead
+  of restored.
 
 Parameters and optimizer state have the same global shapes under every plan, so a
 checkpoint restores under a different plan, device count or process count: orbax reads
@@ -35,6 +38,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
 from jscaler.errors import CheckpointError
+from jscaler.runtime.fingerprint import fingerprints
 from jscaler.runtime.state import TrainState
 from jscaler.version import __version__
 
@@ -96,6 +100,7 @@ def save(directory: str | os.PathLike, state: TrainState, shardings: TrainState,
         if items
     }
     meta = {"format": FORMAT, "step": step, **_describe(names, slots)}
+    meta["checksums"] = {g: fingerprints([v for _, v, _ in items]) for g, items in slots.items()}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         ckptr.save(
             final,
@@ -153,8 +158,12 @@ def restore(
         _check_fits(path, meta, here)
         try:
             restored = _read_arrays(path, slots)
+            _check_sums(slots, meta, restored)
         except Exception as e:  # tensorstore and orbax raise many kinds for damaged files
-            reason = f"its arrays cannot be read ({type(e).__name__}: {_first_line(e)})"
+            if isinstance(e, _Damaged):
+                reason = str(e)
+            else:
+                reason = f"its arrays cannot be read ({type(e).__name__}: {_first_line(e)})"
             if step is not None:
                 raise CheckpointError(
                     f"cannot restore step {step} from {path}: {reason}. Restore another "
@@ -247,6 +256,27 @@ def _check_fits(path: Path, meta: dict, here: dict) -> None:
                 f"optimizer that saved it (plan, device and process count may differ), "
                 f"or save to a new directory"
             )
+
+
+class _Damaged(Exception):
+    """An array read back differs from the one saved."""
+
+
+def _check_sums(slots: dict[str, list[Slot]], meta: dict, restored: dict[str, list]) -> None:
+    """Raises :class:`_Damaged` naming the first restored array whose checksum differs
+    from the one recorded at save (checkpoints without checksums are not checked)."""
+    sums = meta.get("checksums")
+    if not isinstance(sums, dict):
+        return
+    for g in GROUPS:
+        saved = sums.get(g, [])
+        got = fingerprints(restored[g])
+        for (label, _, _), want, have in zip(slots[g], saved, got):
+            if want != have:
+                raise _Damaged(
+                    f"{_WHAT[g]} {label!r} is damaged on disk (checksum {have:#010x}, saved "
+                    f"as {want:#010x})"
+                )
 
 
 def _fmt(shape_dtype) -> str:
