@@ -291,6 +291,16 @@ def test_checksums_are_the_same_under_any_sharding_and_see_one_changed_word():
     assert len({sums[0], *fingerprints([moved, changed])}) == 3
 
 
+def test_a_checkpoint_directory_without_room_is_refused_up_front(tmp_path):
+    from jscaler.runtime.checkpoint import check_directory
+
+    assert check_directory(tmp_path / "new" / "ck", nbytes=1024) == tmp_path / "new" / "ck"
+    assert (tmp_path / "new" / "ck").is_dir() and not list((tmp_path / "new" / "ck").iterdir())
+    with pytest.raises(jscaler.CheckpointError, match=r"MB free and one checkpoint needs"):
+        check_directory(tmp_path, nbytes=1 << 60)
+    assert mlp_trainer().checkpoint_bytes() == 4 * (32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8)
+
+
 def test_a_model_of_other_shapes_is_refused_by_name(tmp_path):
     trainer = mlp_trainer()
     trainer.save(tmp_path)

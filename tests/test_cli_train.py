@@ -63,6 +63,21 @@ def test_a_nan_update_from_a_finite_loss_stops_before_anything_is_saved(tmp_path
     assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").iterdir())
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_unusable_checkpoint_directory_stops_the_run_before_any_training(tmp_path, where):
+    """It was checked at the first save: the whole run trained, then died with a raw
+    OSError or FileExistsError and the work was lost."""
+    (tmp_path / "f").write_text("not a folder")
+    ck = tmp_path / "f" if where == "a file" else tmp_path / "f" / "ck"
+    proc = run(
+        "train", "--model", "mlp-tiny", "--steps", "3", "--checkpoint-dir", str(ck), check=False
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert str(ck) in proc.stderr and "jscaler train: error:" in proc.stderr
+    assert ("is a file" if where == "a file" else "Not a directory") in proc.stderr
+    assert "loss" not in proc.stdout  # nothing trained
+
+
 def test_train_profile_and_the_profile_command(tmp_path):
     trace = tmp_path / "trace"
     out = run("train", "--model", "mlp-tiny", "--steps", "3", "--profile", str(trace)).stdout

@@ -91,6 +91,10 @@ def _train(args) -> int:
 
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise PlanError("--checkpoint-every and --resume need --checkpoint-dir DIR")
+    if args.checkpoint_dir:  # before any training: a checkpoint that cannot be written
+        from jscaler.runtime.checkpoint import check_directory
+
+        check_directory(args.checkpoint_dir)
     if args.checkpoint_dir and not args.resume:
         from jscaler.runtime.checkpoint import latest_step
 
@@ -100,6 +104,10 @@ def _train(args) -> int:
                 f"--resume to continue from it, or name an empty directory"
             )
     spec, _, trainer, batch_size = setup_trainer(args, optax.adam(args.lr))
+    if args.checkpoint_dir:  # and room for one checkpoint of this trainer's state
+        from jscaler.runtime.checkpoint import check_directory
+
+        check_directory(args.checkpoint_dir, trainer.checkpoint_bytes())
     print(f"{spec.name}: {spec.description}")
     print(describe(trainer))
     if args.explain:

@@ -27,6 +27,7 @@ multi-process run calls :func:`save` and :func:`restore` (through ``trainer.save
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,7 @@ from jscaler.runtime.fingerprint import fingerprints
 from jscaler.runtime.state import TrainState
 from jscaler.version import __version__
 
-__all__ = ["Names", "latest_step", "restore", "save"]
+__all__ = ["Names", "check_directory", "latest_step", "restore", "save"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def save(directory: str | os.PathLike, state: TrainState, shardings: TrainState,
             f"cannot save step {step} to {final}: that checkpoint exists already. Train "
             f"further before saving again, or save to another directory"
         )
-    directory.mkdir(parents=True, exist_ok=True)
+    check_directory(directory)
     slots = _slots(state, shardings, names)
     arrays = {
         g: {_key(i): _storable(v) for i, (_, v, _) in enumerate(items)}
@@ -101,14 +102,55 @@ def save(directory: str | os.PathLike, state: TrainState, shardings: TrainState,
     }
     meta = {"format": FORMAT, "step": step, **_describe(names, slots)}
     meta["checksums"] = {g: fingerprints([v for _, v, _ in items]) for g, items in slots.items()}
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        ckptr.save(
-            final,
-            ocp.args.Composite(
-                **{ARRAYS: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}
-            ),
-        )
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            ckptr.save(
+                final,
+                ocp.args.Composite(
+                    **{ARRAYS: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}
+                ),
+            )
+    except OSError as e:  # a full or read-only disk: the previous steps are intact
+        raise CheckpointError(
+            f"cannot save step {step} to {final}: {e.strerror or e} ({type(e).__name__}). "
+            f"Earlier steps in {directory} are intact; free space or fix the permissions "
+            f"and save again"
+        ) from e
     return final
+
+
+def check_directory(directory: str | os.PathLike, nbytes: int = 0) -> Path:
+    """Checks, before any training, that checkpoints can be written to ``directory``:
+    it is (or can be made) a folder, a file can be written there, and its disk has room
+    for ``nbytes`` (one checkpoint). Returns the absolute path.
+
+    Raises:
+      CheckpointError: naming the directory, what is wrong and how to fix it.
+    """
+    path = Path(directory).absolute()
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint directory {path} is a file, not a folder. Name a folder (it is "
+            f"created if missing), or move the file away"
+        )
+    probe = path / f".jscaler-write-check-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"jscaler")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write checkpoints to {path}: {e.strerror or e} ({type(e).__name__}). "
+            f"Make it writable, or name another --checkpoint-dir"
+        ) from e
+    free = shutil.disk_usage(path).free
+    if nbytes > free:
+        raise CheckpointError(
+            f"checkpoint directory {path} has {free / 2**20:.1f} MB free and one checkpoint "
+            f"needs about {nbytes / 2**20:.1f} MB. Free some space, or name a directory on "
+            f"a larger disk"
+        )
+    return path
 
 
 def restore(

@@ -208,6 +208,13 @@ class Trainer:
         }
         return checkpoint.Names(by_role["param"], by_role["state"], self.plan.name or "")
 
+    def checkpoint_bytes(self) -> int:
+        """About how many bytes one checkpoint of this trainer takes on disk: its
+        parameters, optimizer state and model state at their global sizes."""
+        leaves = jax.tree_util.tree_leaves((self.state.params, self.state.opt_state))
+        leaves += jax.tree_util.tree_leaves(self.state.model_state)
+        return sum(int(getattr(x, "nbytes", 0) or 0) for x in leaves)
+
     def save(self, directory) -> Path:
         """Saves the :attr:`state` to ``directory/<step>`` atomically; returns that path
         once it is on disk. See :mod:`jscaler.runtime.checkpoint`."""
