@@ -166,3 +166,51 @@ def test_plan_ranks_a_spaces_settings():
     assert "megatron(tp=2, dp=4)" in names and "zero(stage=3, dp=8)" in names
     assert any("pp=2" in n for n in names)
     assert all(r["step_ms"] > 0 for r in data["plans"] if "error" not in r)
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["train", "--model", "mlp-tiny", "--steps", "-5"], "--steps"),
+        (["train", "--model", "mlp-tiny", "--batch-size", "0"], "--batch-size"),
+        (["train", "--model", "mlp-tiny", "--checkpoint-every", "-1"], "--checkpoint-every"),
+        (["train", "--model", "mlp-tiny", "--log-every", "-1"], "--log-every"),
+        (["train", "--model", "mlp-tiny", "--devices", "-4"], "--devices"),
+        (["train", "--model", "mlp-tiny", "--microbatches", "-2"], "--microbatches"),
+        (["verify", "--model", "mlp-tiny", "--steps", "0"], "--steps"),
+        (["verify", "--model", "mlp-tiny", "--tol-scale", "-1"], "--tol-scale"),
+        (["launch", "--nprocs", "0", "--", "train", "--model", "mlp-tiny"], "--nprocs"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else x,
+)
+def test_out_of_range_numbers_are_usage_errors(args, option):
+    """They were accepted: --steps -5 trained nothing and reported success, --batch-size 0
+    trained with 8, verify --steps 0 reported MATCH having compared nothing."""
+    proc = run(*args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"argument {option}: must be" in proc.stderr
+
+
+def test_an_error_jscaler_does_not_check_for_exits_3_not_verifys_mismatch(tmp_path):
+    factory = tmp_path / "boom.py"
+    factory.write_text("def factory():\n    raise RuntimeError('boom')\n")
+    proc = run("verify", "--model", f"{factory}:factory", "--plan", "dp", check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert "jscaler verify: unexpected error: RuntimeError: boom" in proc.stderr
+    assert "Traceback" in proc.stderr
+
+
+def test_viz_writes_into_a_folder_it_creates(tmp_path):
+    out = tmp_path / "a" / "b" / "s.png"  # was a raw FileNotFoundError
+    run(
+        "viz",
+        "--schedule",
+        "one_f_one_b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--out",
+        str(out),
+    )
+    assert out.stat().st_size > 1000

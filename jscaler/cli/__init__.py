@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from jscaler.cli import (
     bench,
@@ -25,6 +26,7 @@ from jscaler.cli.common import describe, parse_schedule
 __all__ = ["describe", "main", "parse_schedule"]
 
 _COMMANDS = (inspect_graph, train, verify, plan, launch_cmd, bench, viz, profile)
+INTERNAL_ERROR = 3  # exit status of a crash jscaler did not turn into one of its errors
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs ``jscaler ARGV``; returns the exit status (2 on a jscaler error)."""
+    """Runs ``jscaler ARGV``; returns the exit status: 0 done, 1 ``verify``'s mismatch, 2 an
+    error jscaler reports (bad input, a usage error), 3 an unexpected error."""
     args = _parser().parse_args(argv)
     from jscaler.setup import enable_compilation_cache, init_distributed, use_cpu_devices
 
@@ -61,3 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     except (JscalerError, KeyError) as e:
         print(f"jscaler {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001  not one of ours: never exit 1 (verify's mismatch)
+        traceback.print_exc()
+        print(
+            f"jscaler {args.command}: unexpected error: {type(e).__name__}: {e}\n"
+            f"(not an error jscaler checks for: the traceback above shows where it came "
+            f"from; if that is inside jscaler, please report it with the command line)",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR

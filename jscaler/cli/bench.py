@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from jscaler.cli.common import add_devices
+from jscaler.cli.numbers import positive_int
 
 
 def register(sub) -> None:
@@ -58,14 +59,20 @@ def register(sub) -> None:
         "all of gpt-fused, hf-gpt2, hf-llama, gpt-small, swin)",
     )
     be.add_argument(
-        "--steps", type=int, default=None, help="timed steps per plan (default 3; plain: 5)"
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="timed steps per plan (default 3; plain: 5)",
     )
     be.add_argument(
         "--small", action="store_true", help="plain: tiny configs of the models (a quick run)"
     )
-    be.add_argument("--pp", type=int, default=4, help="pipeline: stages (default 4)")
+    be.add_argument("--pp", type=positive_int, default=4, help="pipeline: stages (default 4)")
     be.add_argument(
-        "--microbatches", type=int, default=None, help="pipeline: micro-batches (default pp)"
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="pipeline: micro-batches (default pp)",
     )
     be.add_argument(
         "--plan",

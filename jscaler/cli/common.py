@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+from jscaler.cli.numbers import positive_int
+
 __all__ = ["describe", "parse_schedule"]
 
 
 def add_devices(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--devices",
-        type=int,
+        type=positive_int,
         default=None,
         help="number of devices (default: all; without an accelerator, that many simulated "
         "CPU devices, 8 if not given)",
@@ -32,7 +34,7 @@ def add_plan(p: argparse.ArgumentParser, default: str | None) -> None:
 def add_pipeline(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--microbatches",
-        type=int,
+        type=positive_int,
         default=None,
         help="micro-batches per step: gradient accumulation, or the pipeline's micro-batches "
         "(default: 1; 2*pp for a plan with pp > 1)",

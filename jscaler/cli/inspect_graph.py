@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from jscaler.cli.common import abstract_model, add_devices
+from jscaler.cli.numbers import positive_int
 
 
 def register(sub) -> None:
@@ -21,7 +22,9 @@ def register(sub) -> None:
         help="a reference model, e.g. gpt-tiny, or your own as 'package.module:factory' or "
         "'path/file.py:factory' (factory() returns (model_or_params, loss, batch))",
     )
-    ins.add_argument("--batch-size", type=int, default=None, help="batch size to trace with")
+    ins.add_argument(
+        "--batch-size", type=positive_int, default=None, help="batch size to trace with"
+    )
     ins.add_argument(
         "--select", default=None, help="only ops under matching module paths, e.g. 'blocks/0/*'"
     )

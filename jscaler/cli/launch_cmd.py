@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from jscaler.cli.numbers import non_negative_float, positive_int
+
 
 def register(sub) -> None:
     la = sub.add_parser(
@@ -15,13 +17,16 @@ def register(sub) -> None:
         '--plan "megatron(pp=2, dp=4)". On a cluster, start the command with srun/mpirun '
         "instead: jscaler joins the run from the SLURM / Open MPI environment.",
     )
-    la.add_argument("--nprocs", type=int, default=2, help="processes (default 2)")
+    la.add_argument("--nprocs", type=positive_int, default=2, help="processes (default 2)")
     la.add_argument(
-        "--devices-per-proc", type=int, default=4, help="CPU devices per process (default 4)"
+        "--devices-per-proc",
+        type=positive_int,
+        default=4,
+        help="CPU devices per process (default 4)",
     )
     la.add_argument(
         "--timeout",
-        type=float,
+        type=non_negative_float,
         default=None,
         metavar="SECONDS",
         help="stop every process after this long (exit 124; default: no limit)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from jscaler.cli.common import abstract_model
+from jscaler.cli.numbers import count, non_negative_float, positive_int
 
 
 def register(sub) -> None:
@@ -26,7 +27,10 @@ def register(sub) -> None:
         "searches (default: auto)",
     )
     pl.add_argument(
-        "--devices", type=int, default=8, help="devices to plan for (default 8; none are used)"
+        "--devices",
+        type=positive_int,
+        default=8,
+        help="devices to plan for (default 8; none are used)",
     )
     pl.add_argument(
         "--cluster",
@@ -42,18 +46,21 @@ def register(sub) -> None:
     )
     pl.add_argument("--mesh", default=None, help='the searched mesh, e.g. "dp=2,tp=4"')
     pl.add_argument(
-        "--capacity", type=float, default=None, help="GiB per device (default: the cluster's)"
+        "--capacity",
+        type=non_negative_float,
+        default=None,
+        help="GiB per device (default: the cluster's)",
     )
     pl.add_argument("--dtype", default="fp32", help="compute dtype for the peak (default fp32)")
     pl.add_argument(
         "--optimizer-slots",
-        type=int,
+        type=count,
         default=0,
         help="fp32 optimizer values per parameter: 0 SGD (default), 2 Adam",
     )
     pl.add_argument(
         "--microbatches",
-        type=int,
+        type=positive_int,
         default=None,
         help="micro-batches of a pipeline plan (default 2 x its stage groups); the model's "
         "batch size is one micro-batch",

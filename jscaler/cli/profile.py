@@ -15,6 +15,7 @@ from jscaler.cli.common import (
     setup_trainer,
     throughput,
 )
+from jscaler.cli.numbers import positive_int
 
 
 def register(sub) -> None:
@@ -33,9 +34,12 @@ def register(sub) -> None:
     pr.add_argument("--model", required=True, help="a reference model, e.g. gpt-tiny")
     add_plan(pr, "dp")
     add_devices(pr)
-    pr.add_argument("--steps", type=_positive, default=5, help="timed steps (default 5)")
+    pr.add_argument("--steps", type=positive_int, default=5, help="timed steps (default 5)")
     pr.add_argument(
-        "--batch-size", type=int, default=None, help="global batch size (default: the model's)"
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="global batch size (default: the model's)",
     )
     add_pipeline(pr)
     add_cluster(pr)
@@ -44,15 +48,6 @@ def register(sub) -> None:
     )
     pr.add_argument("--json", action="store_true", help="print the figures as JSON")
     pr.set_defaults(run=_profile)
-
-
-def _positive(text: str) -> int:
-    import argparse
-
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of steps, got {value}")
-    return value
 
 
 def _profile(args) -> int:

@@ -16,6 +16,7 @@ from jscaler.cli.common import (
     setup_trainer,
     throughput,
 )
+from jscaler.cli.numbers import count, positive_int
 from jscaler.report import explain
 
 
@@ -32,10 +33,12 @@ def register(sub) -> None:
     tr.add_argument("--model", required=True, help="a reference model, e.g. gpt-tiny")
     add_plan(tr, "dp")
     add_devices(tr)
-    tr.add_argument("--steps", type=int, default=20, help="training steps in all (default 20)")
+    tr.add_argument(
+        "--steps", type=positive_int, default=20, help="training steps in all (default 20)"
+    )
     tr.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="global batch size (default: the model's; times the micro-batches for pp > 1)",
     )
@@ -44,7 +47,7 @@ def register(sub) -> None:
     tr.add_argument("--explain", action="store_true", help="print the plan's table first")
     tr.add_argument(
         "--log-every",
-        type=int,
+        type=count,
         default=10,
         metavar="N",
         help="print a line with the loss, throughput and MFU every N steps (default 10; 0: "
@@ -60,7 +63,7 @@ def register(sub) -> None:
     )
     tr.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=count,
         default=0,
         metavar="N",
         help="also checkpoint every N steps (default 0: only at the end)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from jscaler.cli.common import add_devices, add_pipeline, add_plan, describe, setup_trainer
+from jscaler.cli.numbers import non_negative_float, positive_int
 
 
 def register(sub) -> None:
@@ -18,10 +19,10 @@ def register(sub) -> None:
     ve.add_argument("--model", required=True, help="a reference model, e.g. gpt-tiny")
     add_plan(ve, None)
     add_devices(ve)
-    ve.add_argument("--steps", type=int, default=3, help="steps to compare (default 3)")
+    ve.add_argument("--steps", type=positive_int, default=3, help="steps to compare (default 3)")
     ve.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="global batch size (default: the model's; times the micro-batches for pp > 1)",
     )
@@ -29,7 +30,7 @@ def register(sub) -> None:
     ve.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     ve.add_argument(
         "--tol-scale",
-        type=float,
+        type=non_negative_float,
         default=1.0,
         help="multiply the tolerances (fp32: rtol 1e-5; atol 1e-5*max|g| for gradients, "
         "1e-6*max|p| for parameters; bf16: rtol 2^-6, atol 2^-5*max) by this; 0 asks for "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jscaler.cli.common import parse_schedule
+from jscaler.cli.numbers import positive_int
 
 
 def register(sub) -> None:
@@ -24,22 +25,31 @@ def register(sub) -> None:
     )
     vz.add_argument(
         "--stages",
-        type=int,
+        type=positive_int,
         required=True,
         metavar="P",
         help="device groups, one per pipeline stage (interleaved schedules put several "
         "virtual stages on each)",
     )
     vz.add_argument(
-        "--microbatches", type=int, required=True, metavar="M", help="micro-batches per step"
+        "--microbatches",
+        type=positive_int,
+        required=True,
+        metavar="M",
+        help="micro-batches per step",
     )
     vz.add_argument(
-        "--out", default="schedule.png", metavar="PATH", help="PNG to write (default schedule.png)"
+        "--out",
+        default="schedule.png",
+        metavar="PATH",
+        help="PNG to write (default schedule.png; missing folders are created)",
     )
     vz.set_defaults(run=_viz, devices=None)
 
 
 def _viz(args) -> int:
+    from pathlib import Path
+
     from jscaler.errors import ScheduleError
     from jscaler.report.plot import plot
 
@@ -47,6 +57,7 @@ def _viz(args) -> int:
         schedule = parse_schedule(args.schedule)(args.stages, args.microbatches)
     except TypeError as e:
         raise ScheduleError(f"--schedule {args.schedule!r}: {e}") from None
+    Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
     timeline = plot(schedule, args.out)
     p, m = len(schedule.groups), schedule.microbatches
     print(f"{schedule.name}: {schedule.stages} stages on {p} device groups, {m} micro-batches")
