@@ -151,3 +151,36 @@ def test_gpt_with_dropout_traces_rng_ops():
     g = jscaler.trace(gpt.loss, model, gpt.synthetic_batch(cfg, 8))
     assert {"random_bits"} & {o.primitive for o in g.ops}
     assert g.coverage().ops == 1.0
+
+
+# ---- inputs it refuses, each with a jscaler error naming what is wrong -----------------------
+
+_PARAMS = {"w": jnp.ones((4, 4))}
+_BATCH = {"x": jnp.ones((8, 4))}
+
+
+def _loss(p, b):
+    return (b["x"] @ p["w"]).mean()
+
+
+def test_a_loss_returning_a_dict_is_a_trace_error_naming_its_keys():
+    def loss(p, b):  # was an AttributeError from inside the trace
+        return {"loss": _loss(p, b), "acc": 1.0}
+
+    with pytest.raises(jscaler.TraceError, match=r"returned a dict with keys \['acc', 'loss'\]"):
+        jscaler.parallelize(_PARAMS, loss, optax.sgd(0.1), _BATCH)
+
+
+@pytest.mark.parametrize("optimizer", [object(), optax.sgd], ids=["object", "uncalled"])
+def test_an_optimizer_that_is_not_optax_is_a_trace_error(optimizer):
+    with pytest.raises(jscaler.TraceError, match="optax GradientTransformation") as err:
+        jscaler.parallelize(_PARAMS, _loss, optimizer, _BATCH)
+    assert ("optax.sgd(0.1), not optax.sgd" in str(err.value)) == callable(optimizer)
+
+
+@pytest.mark.parametrize("text", ["{oops", '["a list"]', '{"format": 1}'])
+def test_a_malformed_plan_file_is_a_plan_error_naming_the_file(tmp_path, text):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(jscaler.PlanError, match=f"plan file {path}"):
+        jscaler.parallelize(_PARAMS, _loss, optax.sgd(0.1), _BATCH, plan=str(path))

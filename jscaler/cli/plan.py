@@ -112,7 +112,7 @@ def _plan_cmd(args) -> int:
         try:
             if isinstance(space, str):  # a plan JSON file
                 with open(space) as f:
-                    plan = Plan.from_json(f.read(), graph)
+                    plan = Plan.from_json(f.read(), graph, f"plan file {space}")
             else:
                 plan = space(graph, args.devices)
         except PlanError as e:

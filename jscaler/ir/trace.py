@@ -270,6 +270,12 @@ def _only_loss(out):
             f"returns (loss, new_collections) from a linen module.apply(..., mutable=[...]), "
             f"pass has_aux=True with the linen variables; otherwise return the loss alone"
         )
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+        keys = f" with keys {sorted(map(str, out))}" if isinstance(out, dict) else ""
+        raise TraceError(
+            f"loss_fn returned a {type(out).__name__}{keys}, not a scalar loss array. Return "
+            f"the loss alone (e.g. `return metrics['loss']`)"
+        )
     return out
 
 

@@ -274,14 +274,41 @@ class Plan:
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, graph: Graph) -> Plan:
-        """Loads a plan for ``graph``; a plan made for another graph is a PlanError."""
-        data = json.loads(text)
-        if data.get("format") != PLAN_FORMAT:
-            raise PlanError(f"plan format {data.get('format')!r} is not {PLAN_FORMAT}")
+    def from_json(cls, text: str, graph: Graph, source: str = "the plan JSON") -> Plan:
+        """Loads a plan for ``graph`` (``source``: where ``text`` came from, for errors);
+        text that is not a jscaler plan, or a plan made for another graph, is a
+        PlanError."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(
+                f"{source} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+                f"write plans with jscaler plan --out or Plan.to_json()"
+            ) from None
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise PlanError(
+                f"{source} is not a jscaler plan: format {found!r}, expected {PLAN_FORMAT}; "
+                f"write plans with jscaler plan --out or Plan.to_json()"
+            )
+        if not isinstance(data.get("fingerprint"), str):
+            raise PlanError(
+                f"{source} is a damaged jscaler plan (no graph fingerprint); make it again "
+                f"with jscaler plan --out"
+            )
         fp = graph_fingerprint(graph)
         if data["fingerprint"] != fp:
-            raise PlanError(_mismatch_message(data, graph))
+            raise PlanError(f"{source}: {_mismatch_message(data, graph)}")
+        try:
+            return cls._from_data(data, graph, fp)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise PlanError(
+                f"{source} is a damaged jscaler plan ({type(e).__name__}: {e}); make it again "
+                f"with jscaler plan --out"
+            ) from None
+
+    @classmethod
+    def _from_data(cls, data: dict, graph: Graph, fp: str) -> Plan:
         return cls(
             graph,
             MeshSpec.from_json(data["mesh"]),

@@ -287,7 +287,7 @@ def resolve_plan(plan, graph: Graph, n_devices: int, cluster: Cluster | None = N
         groups = [g.plan for g in plan.groups] if plan.is_pipeline else [plan]
         for p in groups:
             if p.fingerprint != fp:
-                Plan.from_json(p.to_json(), graph)  # raises the mismatch error
+                Plan.from_json(p.to_json(), graph, "the plan given")  # raises the mismatch
         return plan
     if isinstance(plan, str):
         if plan == "dp":
@@ -298,7 +298,7 @@ def resolve_plan(plan, graph: Graph, n_devices: int, cluster: Cluster | None = N
             return intra_op(cluster=cluster or "cpu")(graph, n_devices)
         if os.path.exists(plan):
             with open(plan) as f:
-                return Plan.from_json(f.read(), graph)
+                return Plan.from_json(f.read(), graph, f"plan file {plan}")
         raise PlanError(
             f"plan={plan!r} is neither 'dp', 'auto' nor a plan JSON file; pass a space such as "
             f"spaces.megatron(tp=2) or a Plan"

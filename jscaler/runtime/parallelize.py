@@ -13,6 +13,7 @@ from typing import Any
 import optax
 
 from jscaler.cost.cluster import Cluster
+from jscaler.errors import TraceError
 from jscaler.plan.plan import Plan
 from jscaler.plan.schedule import Schedule
 from jscaler.runtime.builder import Planner, Space
@@ -80,6 +81,8 @@ def parallelize(
       once more; each shape's step is cached.
 
     Raises:
+      TraceError: the loss does not return a scalar float, or the optimizer is not an
+        optax GradientTransformation.
       PlanError: the plan does not fit the graph or the devices, or the batch does not
         split into the micro-batches.
       OutOfMemoryError: the plan is predicted not to fit the devices' memory.
@@ -90,6 +93,14 @@ def parallelize(
         ...                               devices=8, plan=megatron(tp=2, dp=4))
         >>> metrics = trainer.step(batch)
     """
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        hint = " (call it: optax.sgd(0.1), not optax.sgd)" if callable(optimizer) else ""
+        raise TraceError(
+            f"optimizer must be an optax GradientTransformation (with init and update); got "
+            f"{type(optimizer).__name__} {optimizer!r:.80}{hint}"
+        )
     planner = Planner(
         model, loss_fn, optimizer, plan, devices=devices, microbatches=microbatches,
         schedule=schedule, cluster=cluster, has_aux=has_aux,

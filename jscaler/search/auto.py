@@ -48,7 +48,7 @@ class IntraOp:
         path = self._cache_path(graph, mesh) if self.cache else None
         if path is not None and path.is_file():
             try:
-                return Plan.from_json(path.read_text(), graph)
+                return Plan.from_json(path.read_text(), graph, f"cached plan {path}")
             except (PlanError, ValueError, KeyError, TypeError):
                 pass  # unreadable or stale: solve again and overwrite it
         problem = build_problem(
