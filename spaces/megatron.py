@@ -24,6 +24,8 @@ of all-reduce, and the per-device activation memory outside the regions drops tp
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, replace
 
 import jscaler
@@ -209,6 +211,7 @@ class Megatron:
             return (self.sp or after_head) and any(classes.dim_of(op, r) for r in batch_roots)
 
         plan = split_classes(plan, seeds + seq, self.tp, classes=classes, choose=choose)
+        _warn_whole_attention(graph, self.tp)
         plan = zero_over(assign_mesh(plan, ["dp", "tp"]), graph, self.zero)
         if self.regions:
             for ops, seed in tp_regions(classes, seeds, self.tp):
@@ -236,6 +239,28 @@ def sequence_axes(graph: jscaler.Graph) -> list[tuple[int, int]]:
     ]
 
 
+def _warn_whole_attention(graph: jscaler.Graph, tp: int) -> None:
+    """Warns when an attention's heads do not split ``tp`` ways: its ops then run whole on
+    every tensor-parallel device (the same compute and activations tp times)."""
+    if tp == 1:
+        return
+    for att in jscaler.find_attention(graph):
+        k_heads = graph.tensors[att.k].shape[att.k_axes.heads]
+        q_heads = graph.tensors[att.q].shape[att.q_axes.heads]
+        if q_heads % tp or k_heads % tp:
+            heads = f"{q_heads} heads" + (
+                f" ({k_heads} key/value heads)" if k_heads != q_heads else ""
+            )
+            warnings.warn(
+                f"megatron(tp={tp}): the attention at {att.path or 'the top level'} has "
+                f"{heads}, which {tp} does not divide: its ops run whole on every "
+                f"tensor-parallel device, or cut within a head and gathered. Choose tp among "
+                f"the divisors of {math.gcd(q_heads, k_heads)}",
+                stacklevel=3,
+            )
+            return
+
+
 def _divisible_seeds(graph: jscaler.Graph, seeds, tp: int) -> list:
     """The seeds whose weight splits tp ways; the others (a 10-class classifier at tp=4)
     stay whole. If none splits, the space does not apply: name the first."""
@@ -252,20 +277,25 @@ def _divisible_seeds(graph: jscaler.Graph, seeds, tp: int) -> list:
     return ok
 
 
-def _infer_dp(n_devices: int, tp: int, pp: int, dp: int | None, space: str) -> int:
-    for name, v in (("tp", tp), ("pp", pp)):
+def _infer_dp(
+    n_devices: int, tp: int, pp: int, dp: int | None, space: str, degree: str = "tp"
+) -> int:
+    """dp from the device count; ``degree`` is what the space calls ``tp`` (a sequence
+    space's ``sp``, USP's ``ring*ulysses``), for its messages."""
+    for name, v in ((degree, tp), ("pp", pp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise jscaler.PlanError(f"{space}: {name} must be a positive int, got {v!r}")
+    call = f"{space}({degree}={tp}" + (f", pp={pp}" if pp > 1 else "")
+    need = f"{degree}*pp={tp * pp}" if pp > 1 else f"{degree}={tp}"
     if dp is None:
         if n_devices % (tp * pp):
             raise jscaler.PlanError(
-                f"{space}(tp={tp}, pp={pp}) needs a device count divisible by tp*pp={tp * pp}; "
-                f"got {n_devices} devices"
+                f"{call}) needs a device count divisible by {need}; got {n_devices} devices"
             )
         return n_devices // (tp * pp)
     if dp * tp * pp != n_devices:
         raise jscaler.PlanError(
-            f"{space}(tp={tp}, pp={pp}, dp={dp}) uses dp*tp*pp={dp * tp * pp} devices; "
+            f"{call}, dp={dp}) uses dp*{need.split('=')[0]}={dp * tp * pp} devices; "
             f"{n_devices} were given. Leave dp out to infer it."
         )
     return dp

@@ -98,7 +98,7 @@ class Ulysses:
     zero: int = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
-        dp = _infer_dp(n_devices, self.sp, 1, self.dp, "ulysses")
+        dp = _infer_dp(n_devices, self.sp, 1, self.dp, "ulysses", "sp")
         mesh = MeshSpec.create(dp=dp, sp=self.sp)
         plan = Plan.create(graph, mesh, name=f"ulysses(sp={self.sp}, dp={dp})")
         classes = DimClasses.for_graph(plan.pgraph.graph)
@@ -149,7 +149,7 @@ def ulysses(
 def _ring_plan(graph, n_devices, *, ring: int, uly: int, dp, space: str, name: str) -> Plan:
     """Sequence split over ``ring`` x ``uly`` (ring major), attentions as ring regions over
     ``ring`` and, when ``uly`` > 1, split by heads over ``uly`` (Ulysses inside)."""
-    dp = _infer_dp(n_devices, ring * uly, 1, dp, space)
+    dp = _infer_dp(n_devices, ring * uly, 1, dp, space, "sp" if uly == 1 else "ring*ulysses")
     axes = {"dp": dp, "ring": ring} | ({"uly": uly} if uly > 1 else {})
     plan = Plan.create(graph, MeshSpec.create(**axes), name=name.format(dp=dp))
     classes = DimClasses.for_graph(plan.pgraph.graph)

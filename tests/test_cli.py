@@ -81,7 +81,7 @@ def test_verify_exit_codes():
     bf16 = run("verify", "--model", "mlp-tiny", "--plan", "zero(stage=3, precision='bf16')")
     assert "bf16" in bf16.stdout and "MATCH" in bf16.stdout
     err = run("verify", "--model", "mlp-tiny", "--plan", "megatron(tp=3)", check=False)
-    assert err.returncode == 2 and "divisible by tp*pp=3" in err.stderr
+    assert err.returncode == 2 and "divisible by tp=3" in err.stderr
     err = run("verify", "--model", "mlp-tiny", "--plan", "__import__('os')", check=False)
     assert err.returncode == 2 and "expected a call of one of" in err.stderr
 
@@ -214,3 +214,21 @@ def test_viz_writes_into_a_folder_it_creates(tmp_path):
         str(out),
     )
     assert out.stat().st_size > 1000
+
+
+def test_inspect_select_matching_nothing_says_so():
+    proc = run("inspect", "--model", "gpt-tiny", "--select", "nothing/*", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "--select 'nothing/*' matches no op's module path" in proc.stderr
+    assert "blocks/0" in proc.stderr
+
+
+def test_a_skipped_checkpoint_is_reported_once(tmp_path):
+    import orbax.checkpoint as ocp
+
+    (tmp_path / f"7{ocp.path.step.TMP_DIR_SUFFIX}1234").mkdir()  # a killed save
+    proc = run(
+        "train", "--model", "mlp-tiny", "--steps", "1", "--checkpoint-dir", str(tmp_path),
+        "--resume",
+    )  # fmt: skip
+    assert proc.stderr.count("skipping checkpoint") == 1, proc.stderr

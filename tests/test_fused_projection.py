@@ -184,3 +184,15 @@ def test_attention_runs_on_local_heads_and_no_fused_activation_is_gathered(name)
     moved = {c.bytes for c in colls if c.axes == ("tp",)}
     assert not moved & {rows * 3 * 32 * 4, rows * 2 * 64 * 4}, summarize(colls)
     assert sum(c.bytes for c in colls) < BYTES_BEFORE[name], summarize(colls)
+
+
+def test_megatron_warns_when_the_heads_do_not_split_tp_ways():
+    """It replicated the attention silently (4 heads under tp=8)."""
+    import warnings
+
+    params, loss, batch = tiny()  # 4 heads
+    with pytest.warns(UserWarning, match=r"megatron\(tp=8\): .* 4 heads, which 8 does not"):
+        megatron(tp=8)(jscaler.trace(loss, params, batch(0)), 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        megatron(tp=4, dp=2)(jscaler.trace(loss, params, batch(0)), 8)

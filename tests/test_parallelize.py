@@ -184,3 +184,25 @@ def test_a_malformed_plan_file_is_a_plan_error_naming_the_file(tmp_path, text):
     path.write_text(text)
     with pytest.raises(jscaler.PlanError, match=f"plan file {path}"):
         jscaler.parallelize(_PARAMS, _loss, optax.sgd(0.1), _BATCH, plan=str(path))
+
+
+def test_a_scalar_batch_leaf_is_named_and_explained():
+    batch = {"x": jnp.ones((8, 4)), "scale": jnp.float32(2.0)}  # said "divisible by 1"
+    with pytest.raises(jscaler.PlanError, match=r"batch leaf \['scale'\] is a scalar"):
+        jscaler.parallelize(_PARAMS, lambda p, b: _loss(p, b) * b["scale"], optax.sgd(0.1), batch)
+
+
+def test_zero_devices_is_refused_as_such():
+    with pytest.raises(jscaler.PlanError, match="devices=0: a plan needs at least 1 device"):
+        jscaler.parallelize(_PARAMS, _loss, optax.sgd(0.1), _BATCH, devices=0)
+
+
+@pytest.mark.parametrize("name", ["ring", "ulysses"])
+def test_sequence_spaces_name_their_own_degree(name):
+    import spaces
+
+    spec = models.get("gpt-tiny")
+    with pytest.raises(jscaler.PlanError, match=rf"{name}\(sp=3\) needs .* divisible by sp=3"):
+        jscaler.parallelize(
+            spec.init(0), spec.loss, optax.sgd(0.1), spec.batch(8, 0), plan=getattr(spaces, name)(3)
+        )

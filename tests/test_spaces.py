@@ -112,7 +112,7 @@ def make_trainer(model_name, plan, batch_size=None, devices=8):
     "plan, message",
     [
         (megatron(tp=3), "divisible by tp"),
-        (megatron(tp=2, dp=2), "uses dp\\*tp\\*pp=4 devices"),
+        (megatron(tp=2, dp=2), "uses dp\\*tp=4 devices"),
         (megatron(tp=2, pp=3), "divisible by tp\\*pp=6"),
     ],
 )

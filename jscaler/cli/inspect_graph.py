@@ -47,6 +47,14 @@ def _inspect(args) -> int:
     batch = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     graph = trace(spec.loss, model, batch, strict=False)
     shown = graph.select(args.select) if args.select else graph
+    if args.select and not shown.ops:
+        from jscaler.errors import TraceError
+
+        paths = sorted({"/".join(o.path.split("/")[:2]) for o in graph.ops if o.path})
+        raise TraceError(
+            f"--select {args.select!r} matches no op's module path; paths start with "
+            f"{', '.join(paths[:8]) or '(no module paths)'}{', ...' if len(paths) > 8 else ''}"
+        )
     if args.json:
         cov = graph.coverage()
         out = {

@@ -95,12 +95,14 @@ def _train(args) -> int:
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise PlanError("--checkpoint-every and --resume need --checkpoint-dir DIR")
     if args.checkpoint_dir:  # before any training: a checkpoint that cannot be written
-        from jscaler.runtime.checkpoint import check_directory
+        import warnings
+
+        from jscaler.runtime.checkpoint import check_directory, latest_step
 
         check_directory(args.checkpoint_dir)
+        # latest_step and restore both scan the folder: say each skipped step once
+        warnings.filterwarnings("once", message="skipping checkpoint")
     if args.checkpoint_dir and not args.resume:
-        from jscaler.runtime.checkpoint import latest_step
-
         if (found := latest_step(args.checkpoint_dir)) is not None:
             raise CheckpointError(
                 f"--checkpoint-dir {args.checkpoint_dir} already holds step {found}; add "
@@ -118,8 +120,6 @@ def _train(args) -> int:
             print(explain(plan))
     start_step = 0
     if args.resume:
-        from jscaler.runtime.checkpoint import latest_step
-
         if latest_step(args.checkpoint_dir) is not None:
             start_step = trainer.restore(args.checkpoint_dir)
             print(f"resumed from {args.checkpoint_dir}/{start_step} (step {start_step})")

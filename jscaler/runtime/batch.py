@@ -30,9 +30,16 @@ def batch_key(leaves) -> tuple:
 
 def batch_shapes(batch, microbatches: int) -> list[jax.ShapeDtypeStruct]:
     """The batch leaves' shapes, each checked to split on axis 0 into the micro-batches."""
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(batch)]
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in leaves]
     for i, s in enumerate(shapes):
-        if len(s.shape) == 0 or s.shape[0] % microbatches:
+        if len(s.shape) == 0:
+            raise PlanError(
+                f"batch leaf {jax.tree_util.keystr(leaves[i][0]) or i} is a scalar: every "
+                f"batch leaf needs a leading batch axis (one entry per example). Close over a "
+                f"constant in the loss instead, or give it shape (batch, ...)"
+            )
+        if s.shape[0] % microbatches:
             raise PlanError(
                 f"batch leaf {i} has shape {tuple(s.shape)}: its axis 0 must split into "
                 f"{microbatches} micro-batches; use a batch size divisible by {microbatches}"

@@ -225,7 +225,9 @@ def resolve_devices(devices) -> list:
     if devices is None:
         return list(available)
     if isinstance(devices, int) and not isinstance(devices, bool):
-        if not 1 <= devices <= len(available):
+        if devices < 1:
+            raise PlanError(f"devices={devices}: a plan needs at least 1 device")
+        if devices > len(available):
             raise PlanError(
                 f"devices={devices}, but {len(available)} devices exist "
                 f"({available[0].platform}); set XLA_FLAGS=--xla_force_host_platform_"
