@@ -301,6 +301,21 @@ def test_a_checkpoint_directory_without_room_is_refused_up_front(tmp_path):
     assert mlp_trainer().checkpoint_bytes() == 4 * (32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8)
 
 
+def test_prune_keeps_the_newest_complete_steps_and_nothing_else_is_touched(tmp_path):
+    from jscaler.runtime.checkpoint import prune
+
+    trainer = mlp_trainer()
+    for s in range(4):
+        trainer.step(mlp_batch(s))
+        trainer.save(tmp_path)
+    (tmp_path / "notes").mkdir()  # not a step: left alone
+    assert [p.name for p in prune(tmp_path, 2)] == ["2", "1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4", "notes"]
+    assert mlp_trainer().restore(tmp_path) == 4
+    with pytest.raises(jscaler.CheckpointError, match="keep at least the newest"):
+        prune(tmp_path, 0)
+
+
 def test_a_model_of_other_shapes_is_refused_by_name(tmp_path):
     trainer = mlp_trainer()
     trainer.save(tmp_path)

@@ -69,6 +69,13 @@ def register(sub) -> None:
         help="also checkpoint every N steps (default 0: only at the end)",
     )
     tr.add_argument(
+        "--keep-checkpoints",
+        type=count,
+        default=0,
+        metavar="N",
+        help="after each save, delete all but the newest N checkpoints (default 0: keep all)",
+    )
+    tr.add_argument(
         "--resume",
         action="store_true",
         help="continue from the latest complete checkpoint in --checkpoint-dir (its "
@@ -92,12 +99,14 @@ def _train(args) -> int:
 
     from jscaler.errors import CheckpointError, NonFiniteLossError, PlanError
 
-    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
-        raise PlanError("--checkpoint-every and --resume need --checkpoint-dir DIR")
+    if (args.checkpoint_every or args.resume or args.keep_checkpoints) and not args.checkpoint_dir:
+        raise PlanError(
+            "--checkpoint-every, --keep-checkpoints and --resume need --checkpoint-dir DIR"
+        )
     if args.checkpoint_dir:  # before any training: a checkpoint that cannot be written
         import warnings
 
-        from jscaler.runtime.checkpoint import check_directory, latest_step
+        from jscaler.runtime.checkpoint import check_directory, latest_step, prune
 
         check_directory(args.checkpoint_dir)
         # latest_step and restore both scan the folder: say each skipped step once
@@ -132,6 +141,16 @@ def _train(args) -> int:
     first = last = None
     saved = None
     timed: list[float] = []
+    saving: list[float] = []  # seconds per checkpoint save
+
+    def save():
+        t0 = time.perf_counter()
+        path = trainer.save(args.checkpoint_dir)
+        if args.keep_checkpoints:
+            prune(args.checkpoint_dir, args.keep_checkpoints)
+        saving.append(time.perf_counter() - t0)
+        return path
+
     began = time.perf_counter()
     profiling = False
     try:
@@ -159,10 +178,10 @@ def _train(args) -> int:
                     bar.write(f"step {step + 1}: " + ", ".join(f"{k} {v}" for k, v in post.items()))
                 done = step + 1
                 if args.checkpoint_every and done % args.checkpoint_every == 0:
-                    saved = trainer.save(args.checkpoint_dir)
+                    saved = save()
             unsaved = saved is None or saved.name != str(trainer.step_count)
             if args.checkpoint_dir and trainer.step_count > start_step and unsaved:
-                saved = trainer.save(args.checkpoint_dir)
+                saved = save()
     except NonFiniteLossError as e:
         print(f"jscaler train: stopped: {e}", file=sys.stderr)
         if args.checkpoint_dir:
@@ -192,7 +211,11 @@ def _train(args) -> int:
             f"peak ({est.peak / 1e9:.0f} GFLOP/s per device)"
         )
     if saved is not None:
-        print(f"checkpoint: {saved}")
+        spent = sum(saving)
+        print(
+            f"checkpoint: {saved} ({len(saving)} saves, {spent:.1f} s, {spent / took:.0%} of "
+            f"the run's {took:.1f} s; the steady state above leaves them out)"
+        )
     if profiling:
         print(f"profile: {args.profile} (jax.profiler trace)")
     return 0

@@ -43,7 +43,7 @@ from jscaler.runtime.fingerprint import fingerprints
 from jscaler.runtime.state import TrainState
 from jscaler.version import __version__
 
-__all__ = ["Names", "check_directory", "latest_step", "restore", "save"]
+__all__ = ["Names", "check_directory", "latest_step", "prune", "restore", "save"]
 
 
 @dataclass(frozen=True)
@@ -226,6 +226,22 @@ def restore(
         f"no usable checkpoint in {directory}: expected step folders written by "
         f"trainer.save(), found {found}. Check the path, or start from scratch"
     )
+
+
+def prune(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Deletes all but the newest ``keep`` complete steps in ``directory`` (``keep`` >= 1;
+    folders that are not complete steps are left alone); returns the deleted paths.
+
+    Call it after a save has returned: the newest step is then complete on disk, so the
+    run can always resume from it. In a multi-process run only process 0 deletes."""
+    if keep < 1:
+        raise CheckpointError(f"keep={keep}: keep at least the newest checkpoint")
+    steps, _ = _scan(Path(directory).absolute())
+    old = [Path(directory).absolute() / str(s) for s, _ in steps[keep:]]
+    if jax.process_index() == 0:
+        for path in old:
+            shutil.rmtree(path)
+    return old
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
