@@ -206,3 +206,13 @@ def test_sequence_spaces_name_their_own_degree(name):
         jscaler.parallelize(
             spec.init(0), spec.loss, optax.sgd(0.1), spec.batch(8, 0), plan=getattr(spaces, name)(3)
         )
+
+
+def test_a_batch_leaf_of_another_dtype_is_refused_by_name():
+    """A new shape re-plans; a new dtype re-traced the model and failed inside flax."""
+    spec = models.get("gpt-tiny")
+    batch = spec.batch(8, 0)
+    trainer = jscaler.parallelize(spec.init(0), spec.loss, optax.sgd(0.1), batch)
+    floats = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), batch)
+    with pytest.raises(jscaler.PlanError, match=r"batch leaf \['\w+'\] has dtype float32; .*int32"):
+        trainer.step(floats)

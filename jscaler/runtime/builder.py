@@ -166,6 +166,7 @@ class Planner:
                     f"the batch has structure {tdef}; the trainer was made for "
                     f"{first.graph.signature.batch_def}"
                 )
+            _check_dtypes(batch, first.batch_shapes)
             if isinstance(self.space, AnyPlan):
                 raise PlanError(
                     f"the plan {self.space.name!r} was made for batch shapes "
@@ -311,3 +312,17 @@ def resolve_plan(plan, graph: Graph, n_devices: int, cluster: Cluster | None = N
             raise PlanError(f"the space {plan!r} returned {type(made).__name__}, not a Plan")
         return made
     raise PlanError(f"plan must be a space, a Plan, a JSON path or 'dp'; got {plan!r}")
+
+
+def _check_dtypes(batch, example) -> None:
+    """A batch leaf whose dtype differs from the example batch's is refused by name: a new
+    shape re-plans, a new dtype would re-trace the model on values it was not written for
+    (an embedding indexed by floats)."""
+    for (path, x), want in zip(jax.tree_util.tree_leaves_with_path(batch), example):
+        got = jax.dtypes.canonicalize_dtype(x.dtype)
+        if got != jax.dtypes.canonicalize_dtype(want.dtype):
+            raise PlanError(
+                f"batch leaf {jax.tree_util.keystr(path)} has dtype {got}; the example batch "
+                f"the trainer was made with has {want.dtype}. Cast it "
+                f"(e.g. x.astype({str(want.dtype)!r})), or make a trainer for the new dtype"
+            )
