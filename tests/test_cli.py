@@ -197,7 +197,11 @@ def test_an_error_jscaler_does_not_check_for_exits_3_not_verifys_mismatch(tmp_pa
     proc = run("verify", "--model", f"{factory}:factory", "--plan", "dp", check=False)
     assert proc.returncode == 3, proc.stderr
     assert "jscaler verify: unexpected error: RuntimeError: boom" in proc.stderr
-    assert "Traceback" in proc.stderr
+    assert "Traceback" not in proc.stderr and "--traceback" in proc.stderr
+    shown = run(
+        "verify", "--model", f"{factory}:factory", "--plan", "dp", "--traceback", check=False
+    )
+    assert shown.returncode == 3 and "Traceback" in shown.stderr and "boom.py" in shown.stderr
 
 
 def test_viz_writes_into_a_folder_it_creates(tmp_path):

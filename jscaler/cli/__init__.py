@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="jscaler",
         description="Parallelise single-device Flax training with searched plans. "
         "Run 'jscaler COMMAND --help' for a command's options.",
+        epilog="Exit status: 0 done, 1 verify's mismatch, 2 an error jscaler reports, 3 an "
+        "unexpected error (add --traceback anywhere on the line to see where it came from).",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in _COMMANDS:
@@ -44,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs ``jscaler ARGV``; returns the exit status: 0 done, 1 ``verify``'s mismatch, 2 an
     error jscaler reports (bad input, a usage error), 3 an unexpected error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # launch: the rest is the child's
+    show_traceback = "--traceback" in argv[:cut]
+    argv = [a for a in argv[:cut] if a != "--traceback"] + argv[cut:]
     args = _parser().parse_args(argv)
     from jscaler.setup import enable_compilation_cache, init_distributed, use_cpu_devices
 
@@ -65,11 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jscaler {args.command}: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001  not one of ours: never exit 1 (verify's mismatch)
-        traceback.print_exc()
+        if show_traceback:
+            traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0][:300]
         print(
-            f"jscaler {args.command}: unexpected error: {type(e).__name__}: {e}\n"
-            f"(not an error jscaler checks for: the traceback above shows where it came "
-            f"from; if that is inside jscaler, please report it with the command line)",
+            f"jscaler {args.command}: unexpected error: {type(e).__name__}: {first}\n"
+            f"(not an error jscaler checks for; "
+            + (
+                "the traceback above shows where it came from"
+                if show_traceback
+                else "run again with --traceback to see where it came from"
+            )
+            + "; if that is inside jscaler, please report it with the command line)",
             file=sys.stderr,
         )
         return INTERNAL_ERROR
