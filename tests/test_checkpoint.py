@@ -316,6 +316,21 @@ def test_prune_keeps_the_newest_complete_steps_and_nothing_else_is_touched(tmp_p
         prune(tmp_path, 0)
 
 
+def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(tmp_path):
+    trainer = gpt_trainer(megatron(tp=2, dp=4))
+    trainer.step(gpt_batch(0))
+    at_1 = host(trainer.state.params), host(trainer.state.opt_state)
+    path = trainer.save(tmp_path, wait=False)  # returns with the arrays on the host
+    for s in range(1, 4):  # donated buffers are overwritten meanwhile
+        trainer.step(gpt_batch(s))
+    assert trainer.wait_for_save() == path == tmp_path / "1"
+    assert trainer.wait_for_save() is None
+    fresh = gpt_trainer(zero(3))
+    assert fresh.restore(tmp_path) == 1
+    assert_same(fresh.state.params, at_1[0])
+    assert_same(fresh.state.opt_state, at_1[1])
+
+
 def test_a_model_of_other_shapes_is_refused_by_name(tmp_path):
     trainer = mlp_trainer()
     trainer.save(tmp_path)

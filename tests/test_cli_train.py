@@ -110,11 +110,15 @@ def test_every_command_explains_its_options(command):
         assert re.search(rf"^  {opt}[^\n]*\S[^\n]*\n|^  {opt}.*\n {{10,}}\S", out, re.M), opt
 
 
-def test_keep_checkpoints_deletes_all_but_the_newest_and_the_save_time_is_reported(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_keep_checkpoints_deletes_all_but_the_newest_and_the_save_time_is_reported(
+    tmp_path, background
+):
     ck = tmp_path / "ck"
     proc = run(
         "train", "--model", "mlp-tiny", "--steps", "6", "--checkpoint-dir", str(ck),
         "--checkpoint-every", "2", "--keep-checkpoints", "2",
+        *(["--async-checkpoints"] if background else []),
     )  # fmt: skip
     assert sorted(p.name for p in ck.iterdir()) == ["4", "6"]
     assert re.search(r"checkpoint: .*/6 \(3 saves, [\d.]+ s, \d+% of the run's", proc.stdout)

@@ -76,6 +76,12 @@ def register(sub) -> None:
         help="after each save, delete all but the newest N checkpoints (default 0: keep all)",
     )
     tr.add_argument(
+        "--async-checkpoints",
+        action="store_true",
+        help="write checkpoints in the background while training goes on (each save "
+        "waits for the one before; the run waits for the last before it exits)",
+    )
+    tr.add_argument(
         "--resume",
         action="store_true",
         help="continue from the latest complete checkpoint in --checkpoint-dir (its "
@@ -143,13 +149,22 @@ def _train(args) -> int:
     timed: list[float] = []
     saving: list[float] = []  # seconds per checkpoint save
 
-    def save():
+    def save():  # seconds the training loop waits for it (the blocking part)
         t0 = time.perf_counter()
-        path = trainer.save(args.checkpoint_dir)
+        trainer.wait_for_save()  # the one before: complete before pruning counts it
+        path = trainer.save(args.checkpoint_dir, wait=not args.async_checkpoints)
         if args.keep_checkpoints:
             prune(args.checkpoint_dir, args.keep_checkpoints)
         saving.append(time.perf_counter() - t0)
         return path
+
+    def finish_saves():  # the last background save, counted with it
+        if args.checkpoint_dir and saving:
+            t0 = time.perf_counter()
+            trainer.wait_for_save()
+            if args.keep_checkpoints:
+                prune(args.checkpoint_dir, args.keep_checkpoints)
+            saving[-1] += time.perf_counter() - t0
 
     began = time.perf_counter()
     profiling = False
@@ -182,7 +197,9 @@ def _train(args) -> int:
             unsaved = saved is None or saved.name != str(trainer.step_count)
             if args.checkpoint_dir and trainer.step_count > start_step and unsaved:
                 saved = save()
+        finish_saves()
     except NonFiniteLossError as e:
+        finish_saves()  # the last good step, if it was still being written
         print(f"jscaler train: stopped: {e}", file=sys.stderr)
         if args.checkpoint_dir:
             from jscaler.runtime.checkpoint import latest_step

@@ -43,7 +43,16 @@ from jscaler.runtime.fingerprint import fingerprints
 from jscaler.runtime.state import TrainState
 from jscaler.version import __version__
 
-__all__ = ["Names", "check_directory", "latest_step", "prune", "restore", "save"]
+__all__ = [
+    "Names",
+    "PendingSave",
+    "check_directory",
+    "latest_step",
+    "prune",
+    "restore",
+    "save",
+    "save_async",
+]
 
 
 @dataclass(frozen=True)
@@ -83,8 +92,44 @@ def save(directory: str | os.PathLike, state: TrainState, shardings: TrainState,
       names: the arrays' names, checked on restore.
 
     Raises:
-      CheckpointError: ``directory/<step>`` exists already.
+      CheckpointError: ``directory/<step>`` exists already, or the disk refused the write
+        (full, read-only); earlier steps are intact.
     """
+    return save_async(directory, state, shardings, names, ocp.Checkpointer).wait()
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint being written in the background (:func:`save_async`): the arrays are
+    on the host already, so training may go on and change the state."""
+
+    path: Path
+    step: int
+    checkpointer: Any
+
+    def wait(self) -> Path:
+        """Blocks until the step is complete on disk; returns its path.
+
+        Raises:
+          CheckpointError: the write failed (full or read-only disk); earlier steps are
+            intact."""
+        try:
+            finish = getattr(self.checkpointer, "wait_until_finished", None)
+            if finish is not None:  # an orbax AsyncCheckpointer (the sync one is done)
+                finish()
+        except OSError as e:
+            raise _write_error(self.step, self.path, e) from e
+        finally:
+            self.checkpointer.close()
+        return self.path
+
+
+def save_async(directory: str | os.PathLike, state: TrainState, shardings: TrainState,
+               names: Names, checkpointer=None) -> PendingSave:  # fmt: skip
+    """Starts writing ``state`` to ``directory/<step>`` (as :func:`save`) and returns once
+    its arrays are copied to the host; ``.wait()`` on the result before relying on the step
+    (orbax's asynchronous checkpointing: the folder is renamed to its step only when
+    complete, so a run killed meanwhile leaves the previous step usable)."""
     directory = Path(directory).absolute()
     step = int(state.step)
     final = directory / str(step)
@@ -102,21 +147,27 @@ def save(directory: str | os.PathLike, state: TrainState, shardings: TrainState,
     }
     meta = {"format": FORMAT, "step": step, **_describe(names, slots)}
     meta["checksums"] = {g: fingerprints([v for _, v, _ in items]) for g, items in slots.items()}
+    make = checkpointer or ocp.AsyncCheckpointer
+    ckptr = make(ocp.CompositeCheckpointHandler())
     try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-            ckptr.save(
-                final,
-                ocp.args.Composite(
-                    **{ARRAYS: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}
-                ),
-            )
+        ckptr.save(
+            final,
+            ocp.args.Composite(
+                **{ARRAYS: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}
+            ),
+        )
     except OSError as e:  # a full or read-only disk: the previous steps are intact
-        raise CheckpointError(
-            f"cannot save step {step} to {final}: {e.strerror or e} ({type(e).__name__}). "
-            f"Earlier steps in {directory} are intact; free space or fix the permissions "
-            f"and save again"
-        ) from e
-    return final
+        ckptr.close()
+        raise _write_error(step, final, e) from e
+    return PendingSave(final, step, ckptr)
+
+
+def _write_error(step: int, final: Path, e: OSError) -> CheckpointError:
+    return CheckpointError(
+        f"cannot save step {step} to {final}: {e.strerror or e} ({type(e).__name__}). "
+        f"Earlier steps in {final.parent} are intact; free space or fix the permissions "
+        f"and save again"
+    )
 
 
 def check_directory(directory: str | os.PathLike, nbytes: int = 0) -> Path:

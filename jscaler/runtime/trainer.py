@@ -45,6 +45,7 @@ class Trainer:
         self._sig = sig
         p_leaves, s_leaves = sig.split(planner.model)
         self.state: TrainState = self.program.init(p_leaves, s_leaves)
+        self.pending_save: checkpoint.PendingSave | None = None  # save(wait=False)
 
     # ---- what it runs --------------------------------------------------------------------
 
@@ -215,14 +216,31 @@ class Trainer:
         leaves += jax.tree_util.tree_leaves(self.state.model_state)
         return sum(int(getattr(x, "nbytes", 0) or 0) for x in leaves)
 
-    def save(self, directory) -> Path:
+    def save(self, directory, wait: bool = True) -> Path:
         """Saves the :attr:`state` to ``directory/<step>`` atomically; returns that path
-        once it is on disk. See :mod:`jscaler.runtime.checkpoint`."""
-        return checkpoint.save(directory, self.state, self.program.shardings(), self._names())
+        once it is on disk. See :mod:`jscaler.runtime.checkpoint`.
+
+        ``wait=False`` returns once the arrays are copied to the host and writes them in
+        the background while training goes on (orbax's asynchronous checkpointing); the
+        next save, :meth:`restore` and :meth:`wait_for_save` wait for it first."""
+        self.wait_for_save()
+        if wait:
+            return checkpoint.save(directory, self.state, self.program.shardings(), self._names())
+        self.pending_save = checkpoint.save_async(
+            directory, self.state, self.program.shardings(), self._names()
+        )
+        return self.pending_save.path
+
+    def wait_for_save(self) -> Path | None:
+        """Blocks until a background save (``save(wait=False)``) is on disk; returns its
+        path (None when none is running). Raises CheckpointError if it failed."""
+        pending, self.pending_save = self.pending_save, None
+        return None if pending is None else pending.wait()
 
     def restore(self, directory, step: int | None = None) -> int:
         """Loads the newest usable checkpoint in ``directory`` (or ``step``) into this
         trainer's layouts, whatever plan or device count saved it; returns its step."""
+        self.wait_for_save()
         self.state = checkpoint.restore(
             directory, self.state, self.program.shardings(), self._names(), step
         )
