@@ -195,22 +195,32 @@ def test_save_killed_midway_leaves_the_previous_step_usable(tmp_path):
 # ---- damaged checkpoints ------------------------------------------------------------------
 
 
-def truncate_arrays(step_dir: Path):
+def array_files(step_dir: Path) -> list[Path]:
+    """The files holding a step's array data (orbax's ``d`` folders)."""
     files = [f for f in (step_dir / "arrays").rglob("*") if f.is_file() and f.parent.name == "d"]
     assert files
-    for f in files:
+    return files
+
+
+def saved_mlp_steps(directory: Path, n: int) -> dict:
+    """Trains mlp-tiny ``n`` steps, saving after each; step -> its parameters on the host."""
+    trainer, saved = mlp_trainer(), {}
+    for s in range(n):
+        trainer.step(mlp_batch(s))
+        trainer.save(directory)
+        saved[trainer.step_count] = host(trainer.params)
+    return saved
+
+
+def truncate_arrays(step_dir: Path):
+    for f in array_files(step_dir):
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
 # tensorstore's reads still in flight when a damaged one fails call back into a closed loop
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_checkpoints_are_skipped_then_refused(tmp_path):
-    trainer = mlp_trainer()
-    saved = {}
-    for s in range(3):
-        trainer.step(mlp_batch(s))
-        trainer.save(tmp_path)
-        saved[trainer.step_count] = host(trainer.params)
+    saved = saved_mlp_steps(tmp_path, 3)
     truncate_arrays(tmp_path / "3")
     (meta,) = [f for f in (tmp_path / "2" / "jscaler").iterdir() if f.suffix != ".txt"]
     meta.write_text("{garbage")
@@ -230,9 +240,8 @@ def test_damaged_checkpoints_are_skipped_then_refused(tmp_path):
         fresh.restore(tmp_path, step=3)
     with pytest.raises(jscaler.CheckpointError, match=r"step 7 .*no such folder.*\[3, 1\]"):
         fresh.restore(tmp_path, step=7)
-    for f in (tmp_path / "1" / "arrays").rglob("*"):
-        if f.is_file() and f.parent.name == "d":
-            f.unlink()  # missing files
+    for f in array_files(tmp_path / "1"):
+        f.unlink()  # missing files
     with pytest.warns(UserWarning), pytest.raises(jscaler.CheckpointError) as err:
         fresh.restore(tmp_path)
     msg = str(err.value)
@@ -245,8 +254,7 @@ def test_damaged_checkpoints_are_skipped_then_refused(tmp_path):
 
 def flip_bytes(step_dir: Path, n: int = 64):
     """Inverts ``n`` bytes in the middle of the step's largest array file (size kept)."""
-    files = [f for f in (step_dir / "arrays").rglob("*") if f.is_file() and f.parent.name == "d"]
-    f = max(files, key=lambda f: f.stat().st_size)
+    f = max(array_files(step_dir), key=lambda f: f.stat().st_size)
     data = bytearray(f.read_bytes())
     mid = len(data) // 2
     data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])
@@ -256,12 +264,7 @@ def flip_bytes(step_dir: Path, n: int = 64):
 def test_flipped_bytes_in_an_array_file_are_found_not_restored(tmp_path):
     """Same size, readable, wrong values: the checksums recorded at save catch it (the
     array file read back without them gave one parameter off by 1e38)."""
-    trainer = mlp_trainer()
-    saved = {}
-    for s in range(2):
-        trainer.step(mlp_batch(s))
-        trainer.save(tmp_path)
-        saved[trainer.step_count] = host(trainer.params)
+    saved = saved_mlp_steps(tmp_path, 2)
     flip_bytes(tmp_path / "2")
     fresh = mlp_trainer()
     with pytest.warns(UserWarning, match=r"2: parameter 'layers/\d/[wb]' is damaged on disk"):
@@ -304,10 +307,7 @@ def test_a_checkpoint_directory_without_room_is_refused_up_front(tmp_path):
 def test_prune_keeps_the_newest_complete_steps_and_nothing_else_is_touched(tmp_path):
     from jscaler.runtime.checkpoint import prune
 
-    trainer = mlp_trainer()
-    for s in range(4):
-        trainer.step(mlp_batch(s))
-        trainer.save(tmp_path)
+    saved_mlp_steps(tmp_path, 4)
     (tmp_path / "notes").mkdir()  # not a step: left alone
     assert [p.name for p in prune(tmp_path, 2)] == ["2", "1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4", "notes"]

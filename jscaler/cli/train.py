@@ -150,8 +150,7 @@ def _train(args) -> int:
     saving: list[float] = []  # seconds per checkpoint save
 
     def save():  # seconds the training loop waits for it (the blocking part)
-        t0 = time.perf_counter()
-        trainer.wait_for_save()  # the one before: complete before pruning counts it
+        t0 = time.perf_counter()  # save() waits for the one before, so pruning counts it
         path = trainer.save(args.checkpoint_dir, wait=not args.async_checkpoints)
         if args.keep_checkpoints:
             prune(args.checkpoint_dir, args.keep_checkpoints)

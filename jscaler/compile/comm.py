@@ -23,7 +23,6 @@ all-gather, the input of a reduce-scatter, the buffer of an all-reduce or all-to
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -101,11 +100,6 @@ class CommTable:
         return "\n".join(lines)
 
 
-def _local_bytes(shape, itemsize: int, layout: Layout, sizes: dict[str, int]) -> int:
-    parts = math.prod(sizes[a] for axes in layout.spec for a in axes)
-    return math.prod(shape) * itemsize // parts
-
-
 def _dim_of(layout: Layout, axis: str) -> int | None:
     for d, axes in enumerate(layout.spec):
         if axis in axes:
@@ -125,12 +119,12 @@ def convert(shape, itemsize: int, src: Layout, dst: Layout, sizes: dict[str, int
             continue
         (gathered if b is None else moved).append(axis)
     out = []
-    local = _local_bytes(shape, itemsize, src, sizes)
+    local = src.local_bytes(shape, itemsize, sizes)
     if moved:
         out.append(("all-to-all", tuple(moved), local))
     if gathered:
         kept = Layout(tuple(tuple(x for x in axes if x not in gathered) for axes in src.spec))
-        out.append(("all-gather", tuple(gathered), _local_bytes(shape, itemsize, kept, sizes)))
+        out.append(("all-gather", tuple(gathered), kept.local_bytes(shape, itemsize, sizes)))
     return out
 
 
@@ -141,7 +135,7 @@ def _reduce(shape, itemsize, layout: Layout, partial, target: Layout, sizes):
     partial = tuple(a for a in partial if sizes.get(a, 1) > 1)
     if not partial:
         return []
-    local = _local_bytes(shape, itemsize, layout, sizes)
+    local = layout.local_bytes(shape, itemsize, sizes)
     for d, axes in enumerate(target.spec):
         extra = tuple(a for a in axes if a not in layout.spec[d])
         if extra and set(extra) <= set(partial):
@@ -280,7 +274,7 @@ def _region_rows(region, lowered, producer_layout, add, info, m) -> Layout:
     hops = sizes[axis] - 1
     for t in (att.k, att.v):
         shape, isz = info(t)
-        nbytes = _local_bytes(shape, isz, lays[t], sizes)
+        nbytes = lays[t].local_bytes(shape, isz, sizes)
         add("forward", "collective-permute", t, path, (axis,), nbytes, m * hops)
         add("backward", "collective-permute", t, path, (axis,), nbytes, m * hops)
     return lays[att.out]

@@ -93,9 +93,15 @@ class Builder:
         g = graph
         return Graph(tensors, tuple(ops), g.inputs, g.outputs, g.consts, g.signature)
 
-    def emit(self, fn, ins: list, path: str, avals) -> list:
-        """Traces ``fn`` on the avals of tensors ``ins`` and adds its ops, under ``path``."""
-        closed = jax.make_jaxpr(fn)(*(avals(t) for t in ins))
+    def emit(self, fn, ins: list, path: str, graph: Graph) -> list:
+        """Traces ``fn`` on tensors ``ins`` (built here, else ``graph``'s) and adds its ops,
+        under ``path``: a rewrite's replacement for ops of ``graph``."""
+
+        def aval(t):
+            x = self.tensors.get(t) or graph.tensors[t]
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+        closed = jax.make_jaxpr(fn)(*(aval(t) for t in ins))
         return self.convert(closed.jaxpr, closed.consts, list(ins), path)
 
     def rename_outputs(self, start: int, rename: dict[int, int]) -> None:

@@ -44,15 +44,10 @@ def two_level_extrema(graph: Graph) -> Graph:
         return graph
     b = Builder(strict=True, first_id=max(graph.tensors) + 1)
     replace: dict[int, list[Op]] = {}
-
-    def aval(t):
-        x = b.tensors.get(t) or graph.tensors[t]
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
     for op, parts in found:
         start = len(b.ops)
         (axis,) = op.eqn.params["axes"]
-        outs = b.emit(_two_level(op, axis, parts), [op.inputs[0]], op.path, aval)
+        outs = b.emit(_two_level(op, axis, parts), [op.inputs[0]], op.path, graph)
         b.rename_outputs(start, dict(zip(outs, op.outputs, strict=True)))
         replace[op.id] = b.ops[start:]
     return b.splice(graph, replace, set(replace))

@@ -120,12 +120,8 @@ def _rewrite(graph: Graph, b: Builder, dot: Op, side: int, chain: list[Op], spli
     axis = split.eqn.params["axis"]
     _, w_axis = _free_axis(graph, dot, axis)
 
-    def aval(t):
-        x = b.tensors.get(t) or graph.tensors[t]
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
     def emit(fn, ins, path):
-        return b.emit(fn, ins, path, aval)
+        return b.emit(fn, ins, path, graph)
 
     def view_of(x):  # the (parts, features) view of the split axis (kept if broadcast)
         if x.ndim == 0:
