@@ -65,18 +65,49 @@ def init_distributed() -> bool:
         use_cpu_devices(int(env.get("JSCALER_LOCAL_DEVICES", "1")))
         if addr := env.get("JSCALER_TRANSFER_ADDRESS"):
             jax.config.update("jax_cross_host_transfer_socket_address", addr)
+        me, n = int(env["JSCALER_PROCESS_ID"]), int(env["JSCALER_NUM_PROCESSES"])
+        timeouts = distributed_timeouts()
+        extra = {}
+        if me == 0:  # the service in a child, so that it outlives this process
+            extra["coordinator_bind_address"] = _own_service(env["JSCALER_COORDINATOR"], n)
         jax.distributed.initialize(
-            env["JSCALER_COORDINATOR"],
-            num_processes=int(env["JSCALER_NUM_PROCESSES"]),
-            process_id=int(env["JSCALER_PROCESS_ID"]),
-            **distributed_timeouts(),
+            env["JSCALER_COORDINATOR"], num_processes=n, process_id=me, **timeouts, **extra
         )
+        _watch_peers()
         return True
     tasks = env.get("SLURM_NTASKS") or env.get("OMPI_COMM_WORLD_SIZE")
     if tasks and int(tasks) > 1:
         jax.distributed.initialize(**distributed_timeouts())
+        _watch_peers()
         return True
     return False
+
+
+def _own_service(address: str, n: int) -> str:
+    """Starts jax.distributed's coordination service for ``address`` in a child process
+    (:mod:`jscaler.runtime.coordinator`) and returns a free local address for the idle
+    service ``jax.distributed.initialize`` insists on starting in process 0."""
+    import atexit
+
+    from jscaler.launch import free_port
+    from jscaler.runtime import coordinator
+
+    heartbeat = int(os.environ.get("JSCALER_HEARTBEAT_TIMEOUT", "60"))
+    shutdown = int(os.environ.get("JSCALER_SHUTDOWN_TIMEOUT", "300"))
+    grace = float(os.environ.get("JSCALER_PEER_TIMEOUT", "20")) + 15
+    child = coordinator.start(address, n, heartbeat, shutdown, grace)
+    atexit.register(coordinator.stop, child)  # after the peer watch's exit hook (LIFO)
+    return f"127.0.0.1:{free_port()}"
+
+
+def _watch_peers() -> None:
+    """Starts :class:`jscaler.runtime.peers.PeerWatch` over jax.distributed's client
+    (without starting JAX's backends)."""
+    from jax._src.distributed import global_state as state
+
+    from jscaler.runtime.peers import PeerWatch
+
+    PeerWatch.start(state.client, state.process_id, state.num_processes)
 
 
 def distributed_timeouts() -> dict[str, int]:

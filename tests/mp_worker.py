@@ -21,6 +21,8 @@ Modes:
   ``hang``: process 1 stops itself with SIGSTOP after its first step (alive but silent);
     only jax.distributed's heartbeat can stop the others.
 
+``JSCALER_TEST_PLAN`` (a ``--plan`` expression) replaces the plan of every mode.
+
 A JscalerError is printed as ``mp_worker: error: ...`` with exit status 2, as the CLI does.
 """
 
@@ -47,6 +49,10 @@ def main(mode: str, steps: int) -> int:
     spec = models.get("gpt-tiny")
     plan = megatron(tp=2) if mode == "disagree" and me == 1 else "dp"
     plan = zero(stage=3) if mode == "restore" else plan
+    if expr := os.environ.get("JSCALER_TEST_PLAN"):  # e.g. a pipeline across the processes
+        from spaces.parse import parse_plan
+
+        plan = parse_plan(expr)
     batch_size = 2 * jax.device_count()
     victim = {"die": (1, signal.SIGKILL), "die0": (0, signal.SIGKILL), "hang": (1, signal.SIGSTOP)}
     try:

@@ -1,10 +1,8 @@
 """Checkpoints: save and restore across plans and device counts, resume equals an
-uninterrupted run, a save killed midway, damaged checkpoints, pipelines."""
+uninterrupted run, damaged checkpoints, pipelines. Saves killed midway, flipped bytes and
+full or read-only disks: tests/test_faults.py."""
 
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -136,63 +134,6 @@ def test_pipeline_round_trip_continue_and_restore_without_pipeline(tmp_path):
             np.testing.assert_allclose(spmd.step(gpt_batch(s))["loss"], want, rtol=1e-5)
 
 
-# ---- a save killed midway ---------------------------------------------------------------
-
-CHILD = """
-import sys, time
-from jscaler.setup import enable_compilation_cache, use_cpu_devices
-use_cpu_devices(8)
-enable_compilation_cache()
-import optax, orbax.checkpoint as ocp
-import jscaler, models
-spec = models.get("mlp-tiny")
-trainer = jscaler.parallelize(spec.init(0), spec.loss, optax.sgd(0.1), spec.batch(16, 0))
-trainer.step(spec.batch(16, 0))
-trainer.save(sys.argv[1])
-
-async def stuck(self, *args, **kwargs):  # the metadata write hangs: the save is midway
-    print("writing", flush=True)
-    time.sleep(600)
-
-ocp.JsonCheckpointHandler.async_save = stuck
-trainer.step(spec.batch(16, 1))
-trainer.save(sys.argv[1])
-print("finished", flush=True)
-"""
-
-
-def test_save_killed_midway_leaves_the_previous_step_usable(tmp_path):
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parents[1],
-    )
-    try:
-        line = child.stdout.readline()  # blocks until the second save is writing
-        temps = [p for p in tmp_path.iterdir() if ".orbax-checkpoint-tmp" in p.name]
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(timeout=60)
-    assert line == "writing\n", f"the child did not reach the second save (said {line!r})"
-    assert child.returncode == -signal.SIGKILL
-    assert [p.name.split(".")[0] for p in temps] == ["2"], "no temporary folder mid-save"
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["1"]
-
-    trainer = mlp_trainer()
-    with pytest.warns(UserWarning, match=temps[0].name):
-        assert trainer.restore(tmp_path) == 1
-    ref = mlp_trainer()
-    ref.step(mlp_batch(0))
-    assert_same(trainer.params, ref.params)
-    # saving that step again replaces the leftover
-    trainer.step(mlp_batch(1))
-    trainer.save(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
-    assert latest_step(tmp_path) == 2
-
-
 # ---- damaged checkpoints ------------------------------------------------------------------
 
 
@@ -295,7 +236,8 @@ def test_a_checkpoint_directory_without_room_is_refused_up_front(tmp_path):
     assert (tmp_path / "new" / "ck").is_dir() and not list((tmp_path / "new" / "ck").iterdir())
     with pytest.raises(jscaler.CheckpointError, match=r"MB free and one checkpoint needs"):
         check_directory(tmp_path, nbytes=1 << 60)
-    assert mlp_trainer().checkpoint_bytes() == 4 * (32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8)
+    params = 4 * (32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8)  # SGD keeps no other state
+    assert mlp_trainer().checkpoint_bytes() == int(params * 1.25) + (1 << 20)
 
 
 def test_prune_keeps_the_newest_complete_steps_and_nothing_else_is_touched(tmp_path):

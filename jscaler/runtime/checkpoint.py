@@ -26,8 +26,12 @@ multi-process run calls :func:`save` and :func:`restore` (through ``trainer.save
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
+import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +51,7 @@ __all__ = [
     "Names",
     "PendingSave",
     "check_directory",
+    "disk_bytes",
     "latest_step",
     "prune",
     "restore",
@@ -116,8 +121,9 @@ class PendingSave:
         try:
             finish = getattr(self.checkpointer, "wait_until_finished", None)
             if finish is not None:  # an orbax AsyncCheckpointer (the sync one is done)
-                finish()
-        except OSError as e:
+                with _quiet_orbax():
+                    finish()
+        except _WRITE_ERRORS as e:
             raise _write_error(self.step, self.path, e) from e
         finally:
             self.checkpointer.close()
@@ -138,36 +144,117 @@ def save_async(directory: str | os.PathLike, state: TrainState, shardings: Train
             f"cannot save step {step} to {final}: that checkpoint exists already. Train "
             f"further before saving again, or save to another directory"
         )
-    check_directory(directory)
     slots = _slots(state, shardings, names)
     arrays = {
         g: {_key(i): _storable(v) for i, (_, v, _) in enumerate(items)}
         for g, items in slots.items()
         if items
     }
+    try:
+        check_directory(directory, disk_bytes(arrays))
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot save step {step}: {e}") from e
     meta = {"format": FORMAT, "step": step, **_describe(names, slots)}
     meta["checksums"] = {g: fingerprints([v for _, v, _ in items]) for g, items in slots.items()}
     make = checkpointer or ocp.AsyncCheckpointer
     ckptr = make(ocp.CompositeCheckpointHandler())
+    sync = checkpointer is ocp.Checkpointer
     try:
-        ckptr.save(
-            final,
-            ocp.args.Composite(
-                **{ARRAYS: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}
-            ),
-        )
-    except OSError as e:  # a full or read-only disk: the previous steps are intact
+        with _quiet_orbax(), _held_stderr() if sync else contextlib.nullcontext():
+            ckptr.save(
+                final,
+                ocp.args.Composite(
+                    **{ARRAYS: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}
+                ),
+            )
+    except _WRITE_ERRORS as e:  # a full or read-only disk: the previous steps are intact
         ckptr.close()
         raise _write_error(step, final, e) from e
     return PendingSave(final, step, ckptr)
 
 
-def _write_error(step: int, final: Path, e: OSError) -> CheckpointError:
+# What a refused write raises: OSError from Python's own file calls, ValueError (with the
+# errno's text, e.g. "RESOURCE_EXHAUSTED: ... No space left on device") from tensorstore.
+_WRITE_ERRORS = (OSError, ValueError)
+
+
+def _write_error(step: int, final: Path, e: Exception) -> CheckpointError:
+    """The error for a failed save; removes the step's partial folder (freeing its space)."""
+    for partial in final.parent.glob(f"{step}{_TMP}*"):
+        shutil.rmtree(partial, ignore_errors=True)
+    # the write's other futures failed too; asyncio would log each at exit, with a traceback
+    logging.getLogger("asyncio").addFilter(_unretrieved)
+    why = getattr(e, "strerror", None) or _os_reason(e)
     return CheckpointError(
-        f"cannot save step {step} to {final}: {e.strerror or e} ({type(e).__name__}). "
-        f"Earlier steps in {final.parent} are intact; free space or fix the permissions "
-        f"and save again"
+        f"cannot save step {step} to {final}: {why} ({type(e).__name__}). Earlier steps "
+        f"in {final.parent} are intact and the partial step was removed; free space or fix "
+        f"the permissions and save again"
     )
+
+
+def _os_reason(e: BaseException) -> str:
+    """The operating system's words in a tensorstore error ("No space left on device"),
+    else its first line."""
+    text = str(e)
+    for reason in ("No space left on device", "Read-only file system", "Permission denied"):
+        if reason in text:
+            return reason
+    return _first_line(e)
+
+
+class _OneLine(logging.Filter):
+    """Drops the traceback of orbax's background-thread error records: the failure
+    reaches the caller as one CheckpointError, which says the same in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _unretrieved(record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in record.getMessage()
+
+
+def disk_bytes(tree) -> int:
+    """About what a checkpoint of the arrays in ``tree`` takes on disk: their bytes, a
+    quarter more, and 1 MB for orbax's metadata and the file system's blocks."""
+    data = sum(int(getattr(x, "nbytes", 0) or 0) for x in jax.tree_util.tree_leaves(tree))
+    return int(data * 1.25) + (1 << 20)
+
+
+@contextlib.contextmanager
+def _held_stderr():
+    """Holds what is written to file descriptor 2 while a save runs, and writes it out
+    afterwards only if the save succeeded: when a write fails, tensorstore's callbacks
+    print a traceback per array ("Event loop is closed") from C++, past Python's hooks,
+    and the CheckpointError already says what went wrong."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            raise
+        else:
+            os.dup2(saved, 2)
+            held.seek(0)
+            if text := held.read():
+                os.write(2, text)
+        finally:
+            os.close(saved)
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    logger = logging.getLogger("absl")
+    one_line = _OneLine()
+    logger.addFilter(one_line)
+    try:
+        yield
+    finally:
+        logger.removeFilter(one_line)
 
 
 def check_directory(directory: str | os.PathLike, nbytes: int = 0) -> Path:
@@ -253,6 +340,7 @@ def restore(
             restored = _read_arrays(path, slots)
             _check_sums(slots, meta, restored)
         except Exception as e:  # tensorstore and orbax raise many kinds for damaged files
+            logging.getLogger("asyncio").addFilter(_unretrieved)  # the other reads' failures
             if isinstance(e, _Damaged):
                 reason = str(e)
             else:

@@ -8,10 +8,11 @@ and compares the hashes through jax.distributed's key-value store before anythin
 compiled, turning that silent divergence into a :class:`~jscaler.errors.DistributedError`.
 
 When a process dies mid-run, the others' next collective fails (gloo on CPU reports the
-closed connection at once) or, if they are not in one, jax.distributed's heartbeat
-(``JSCALER_HEARTBEAT_TIMEOUT``, see :func:`jscaler.setup.distributed_timeouts`)
-terminates them. :func:`peer_failures_as_errors` wraps a trainer's ``step`` so the first
-case reads as a DistributedError saying a peer is gone, not as a bare runtime error.
+closed connection at once), or, if they are not in one or the dead peer's connections
+stay open, :class:`jscaler.runtime.peers.PeerWatch` finds it within
+``JSCALER_PEER_TIMEOUT`` seconds. :func:`peer_failures_as_errors` wraps a trainer's
+``step`` so the first case reads as a DistributedError too: it gives the watch the time
+to name the process that went away, and says that a peer is gone if it cannot.
 
 Environment:
   ``JSCALER_AGREEMENT_TIMEOUT``: seconds a process waits for the others' hashes (default
@@ -31,6 +32,7 @@ import jax
 from jscaler.errors import DistributedError
 from jscaler.plan.kind import AnyPlan
 from jscaler.plan.schedule import Schedule
+from jscaler.runtime import peers
 from jscaler.version import __version__
 
 __all__ = ["check_plan_agreement", "peer_failures_as_errors", "plan_digest"]
@@ -152,13 +154,14 @@ def peer_failures_as_errors(step):
             text = str(e)
             if jax.process_count() == 1 or not any(p in text.lower() for p in _PEER_GONE):
                 raise
+            if (watch := peers.current()) is not None:  # it names the process and exits
+                watch.wait_for_gone(watch.timeout + 5)
             raise DistributedError(
                 f"process {jax.process_index()} of {jax.process_count()}: a collective with "
                 f"the other processes failed, most likely because another process died "
                 f"(killed, crashed, out of memory) or its host became unreachable; look in "
-                f"the other processes' logs for the first error. This process stops too; "
-                f"any process still waiting is terminated by jax.distributed's heartbeat "
-                f"after JSCALER_HEARTBEAT_TIMEOUT seconds. jax said: {text.splitlines()[0]}"
+                f"the other processes' logs for the first error. This process stops too. "
+                f"jax said: {text.splitlines()[0]}"
             ) from e
 
     return wrapped

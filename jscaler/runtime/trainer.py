@@ -211,10 +211,10 @@ class Trainer:
 
     def checkpoint_bytes(self) -> int:
         """About how many bytes one checkpoint of this trainer takes on disk: its
-        parameters, optimizer state and model state at their global sizes."""
-        leaves = jax.tree_util.tree_leaves((self.state.params, self.state.opt_state))
-        leaves += jax.tree_util.tree_leaves(self.state.model_state)
-        return sum(int(getattr(x, "nbytes", 0) or 0) for x in leaves)
+        parameters, optimizer state and model state at their global sizes, with
+        :func:`~jscaler.runtime.checkpoint.disk_bytes`'s margin for metadata and blocks."""
+        state = (self.state.params, self.state.opt_state, self.state.model_state)
+        return checkpoint.disk_bytes(state)
 
     def save(self, directory, wait: bool = True) -> Path:
         """Saves the :attr:`state` to ``directory/<step>`` atomically; returns that path
