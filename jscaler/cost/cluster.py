@@ -39,6 +39,10 @@ class Cluster:
       intra, inter: links inside a node and between nodes (per device).
       efficiency: the fraction of peak FLOP/s large kernels reach (MFU of a well-tuned
         matmul), applied to the compute roof.
+      combine_bytes: XLA's collective combiner threshold: the gradient reductions (and
+        the ZeRO all-gathers after the update) of one kind over one group are merged into
+        collectives of up to this many bytes, so their latency is paid once per bucket,
+        not per tensor (``xla_gpu_all_reduce_combine_threshold_bytes``, 30 MiB).
     """
 
     name: str
@@ -49,6 +53,7 @@ class Cluster:
     intra: Link
     inter: Link
     efficiency: float = 0.7
+    combine_bytes: float = 30 * 2**20
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.flops:

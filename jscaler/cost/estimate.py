@@ -42,7 +42,7 @@ from jscaler.compile.layout import Layout
 from jscaler.compile.lower import lower
 from jscaler.compile.reshard import reshard_units
 from jscaler.cost.cluster import Cluster, get_cluster
-from jscaler.cost.collective import collective_time
+from jscaler.cost.collective import Combined, collective_time
 from jscaler.ir.graph import Literal
 from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
@@ -224,20 +224,24 @@ def estimate(
     bwd_time = max(m * bwd[d] for d in mesh.devices)
 
     table = comm_table(low, m)
-    params = {p.id for p in g.params()}
+    params = from_params_only(g)
     hidden = exposed = 0.0
+    combined = Combined(cl, algorithm)
     for r in table.rows:
         fixed = {a: 0 for a in mesh.names if a not in r.axes}
+        group = mesh.group(**fixed)
         nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
         grad = r.phase == "backward" and r.tensor in params
-        # gradients accumulate over micro-batches and reduce once, behind the backward;
-        # the optimizer side (a ZeRO all-gather of the new parameters) runs after it
-        times = 1 if grad or r.phase == "update" else r.times
-        t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl, algorithm) * times
-        if grad:
-            hidden += t
-        else:
-            exposed += t
+        if grad or r.phase == "update":
+            # gradients accumulate over micro-batches and reduce once, behind the
+            # backward; the optimizer side (a ZeRO all-gather of the new parameters) runs
+            # after it. Both are independent collectives XLA's combiner merges.
+            combined.add(grad, r.collective, group, nbytes)
+            continue
+        exposed += collective_time(r.collective, nbytes, group, cl, algorithm) * r.times
+    merged = combined.seconds()
+    hidden += merged.get(True, 0.0)
+    exposed += merged.get(False, 0.0)
     exposed_total = exposed + max(0.0, hidden - bwd_time)
     step = compute + exposed_total
 
@@ -256,6 +260,18 @@ def estimate(
         hardware * m,
         peak,
     )
+
+
+def from_params_only(g) -> set[int]:
+    """The parameters and the tensors computed from parameters alone (a norm's scale
+    broadcast, a cast weight): a reduction of their gradient is a parameter-gradient
+    reduction, independent of the rest of the backward pass."""
+    out = {p.id for p in g.params()}
+    for op in g.ops:
+        ins = [t for t in op.tensor_inputs]
+        if ins and all(t in out for t in ins):
+            out.update(op.outputs)
+    return out
 
 
 def flops_of(g, needs, recomputed, ops=None) -> tuple[float, float]:

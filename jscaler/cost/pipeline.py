@@ -25,11 +25,12 @@ import jax.numpy as jnp
 from jscaler.compile.comm import comm_table
 from jscaler.compile.lower import lower
 from jscaler.cost.cluster import Cluster, get_cluster
-from jscaler.cost.collective import collective_time
+from jscaler.cost.collective import Combined, collective_time
 from jscaler.cost.estimate import (
     Estimate,
     device_times,
     flops_of,
+    from_params_only,
     local_bytes,
     memory_breakdown,
     needs_grad,
@@ -132,6 +133,8 @@ def estimate_pipeline(
                     opt[d] += t
         update[gi] = max(opt.values())
         moved[gi] = 0
+        combined = Combined(cl, algorithm)  # gradient reductions, ZeRO all-gathers
+        from_params = from_params_only(pg.graph)
         for r in comm_table(low, 1).rows:
             role = pg.graph.tensors[r.tensor].role
             s, k = where(r.tensor)
@@ -143,15 +146,17 @@ def estimate_pipeline(
             fixed = {a: 0 for a in mesh.names if a not in r.axes}
             devs = [group.devices[mesh.devices.index(d)] for d in mesh.group(**fixed)]
             nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
-            t = collective_time(r.collective, nbytes, devs, cl, algorithm) * r.times
-            grad = r.phase == "backward" and role == "param"
+            grad = r.phase == "backward" and r.tensor in from_params
             moved[gi] += r.bytes * r.times * (1 if grad or r.phase == "update" else microbatches)
-            if grad or r.phase == "update":
-                update[gi] += t  # once per step, after the pipeline drains
-            elif r.phase == "backward":
+            if grad or r.phase == "update":  # once per step, after the pipeline drains
+                combined.add(None, r.collective, devs, nbytes)
+                continue
+            t = collective_time(r.collective, nbytes, devs, cl, algorithm) * r.times
+            if r.phase == "backward":
                 bwd_cost[s] = bwd_cost.get(s, 0.0) + t
             else:
                 fwd_cost[s, k] = fwd_cost.get((s, k), 0.0) + t
+        update[gi] += combined.seconds().get(None, 0.0)
         memory[gi] = _group_memory(
             value_scale(dtype), gp, low, g, stages, stage_of, pass_of, last, sched, optimizer_slots
         )

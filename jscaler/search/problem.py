@@ -196,8 +196,10 @@ def build_problem(
     def group(axes) -> tuple[int, ...]:
         return mesh.group(**{a: 0 for a in names if a not in axes})
 
-    def coll(kind, b, axes) -> float:
-        return collective_time(kind, b, group(axes), cl, algorithm)
+    def coll(kind, b, axes, combined: bool = False) -> float:
+        """``combined``: a parameter-gradient reduction or a ZeRO all-gather, which XLA
+        merges with the others of its kind (their latency is paid once, not per op)."""
+        return collective_time(kind, b, group(axes), cl, algorithm, latency=not combined)
 
     def node_cost(op: Op, s: Strategy, zero: bool = False) -> tuple[float, float, float, float]:
         """(seconds exposed, seconds of parameter-gradient reduction, backward seconds,
@@ -228,12 +230,15 @@ def build_problem(
             missing = tuple(sorted(used - lay.axes_used()))
             param = graph.tensors[x].role == "param"
             sharded = zero and param and first_reader.get(x) == op.id and not lay.axes_used()
-            if diff and x in needs and missing:
-                if sharded:  # reduce-scatter (hidden), all-gather after the update (not)
-                    grads += coll("reduce-scatter", local(x, lay), missing)
-                    t += coll("all-gather", local(x, lay), names)
-                elif param:
-                    grads += coll("all-reduce", local(x, lay), missing)
+            if diff and x in needs and sharded:
+                # reduce-scatter (hidden; none when every device computed the whole
+                # gradient), and all-gather the new parameters after the update (exposed)
+                if missing:
+                    grads += coll("reduce-scatter", local(x, lay), missing, combined=True)
+                t += coll("all-gather", local(x, lay), names, combined=True)
+            elif diff and x in needs and missing:
+                if param:
+                    grads += coll("all-reduce", local(x, lay), missing, combined=True)
                 else:
                     t += coll("all-reduce", local(x, lay), missing)
             if first_reader.get(x) == op.id:
