@@ -18,6 +18,8 @@ Modes:
   ``restore``: parallelise under ``zero(stage=3)`` (parameters split across the
     processes), restore the checkpoint in ``$JSCALER_TEST_CKPT`` (saved by one process on
     8 devices under another plan) and train from its step.
+  ``quit``: process 1 returns exit status 2 after its first step (an error of its own);
+    the others' next collective fails and says that process 1 exited.
   ``hang``: process 1 stops itself with SIGSTOP after its first step (alive but silent);
     only jax.distributed's heartbeat can stop the others.
 
@@ -70,6 +72,9 @@ def main(mode: str, steps: int) -> int:
             print(f"process {me} step {step} loss {float(metrics['loss']):.6f}", flush=True)
             if mode in victim and victim[mode][0] == me:
                 os.kill(os.getpid(), victim[mode][1])
+            if mode == "quit" and me == 1:
+                print("mp_worker: process 1 gives up", file=sys.stderr, flush=True)
+                return 2
     except jscaler.JscalerError as e:
         print(f"mp_worker: error: {e}", file=sys.stderr, flush=True)
         return 2

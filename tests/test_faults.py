@@ -291,6 +291,16 @@ def stopped(proc) -> bool:
         return False
 
 
+def test_a_peer_that_exits_on_an_error_of_its_own_is_named_at_once(monkeypatch):
+    """Process 1 exits (status 2) after its first step; it says so on the way out, so
+    process 0's failed collective names it without waiting for the watch."""
+    monkeypatch.setenv("JSCALER_PEER_TIMEOUT", "30")
+    procs = start_workers("quit")
+    (s1, out1), (s0, out0) = finish(*procs[1], timeout=240), finish(*procs[0], timeout=60)
+    assert s1 == 2 and "process 1 gives up" in out1
+    assert s0 == 2 and "because process(es) [1] exited in the middle of the run" in out0, out0
+
+
 def test_the_launcher_reports_a_killed_process_and_stops_the_others():
     cmd = [sys.executable, "-m", "jscaler.cli", "launch", "--nprocs", "2",
            "--devices-per-proc", "2", "--", sys.executable, str(WORKER), "die", "5"]  # fmt: skip

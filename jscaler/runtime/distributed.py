@@ -154,8 +154,16 @@ def peer_failures_as_errors(step):
             text = str(e)
             if jax.process_count() == 1 or not any(p in text.lower() for p in _PEER_GONE):
                 raise
-            if (watch := peers.current()) is not None:  # it names the process and exits
-                watch.wait_for_gone(watch.timeout + 5)
+            exited = []
+            if (watch := peers.current()) is not None:  # it names a dead one and exits
+                exited = watch.wait_for_gone(watch.timeout + 5)
+            if exited:
+                raise DistributedError(
+                    f"process {jax.process_index()} of {jax.process_count()}: a collective "
+                    f"with the other processes failed because process(es) {exited} exited "
+                    f"in the middle of the run; their own output says why. This process "
+                    f"stops too. jax said: {text.splitlines()[0]}"
+                ) from e
             raise DistributedError(
                 f"process {jax.process_index()} of {jax.process_count()}: a collective with "
                 f"the other processes failed, most likely because another process died "

@@ -136,10 +136,16 @@ class PeerWatch:
                 return
             time.sleep(self.interval)
 
-    def wait_for_gone(self, seconds: float) -> None:
+    def wait_for_gone(self, seconds: float) -> list[int]:
         """Blocks up to ``seconds`` while the watch looks for a process that went away
-        (the watch ends this process if it finds one)."""
-        self._thread.join(seconds)
+        (the watch ends this process if it finds one); returns early with the processes
+        that exited on their own (an error of theirs), else returns []."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self._exited:
+                return sorted(self._exited)
+            time.sleep(0.2)
+        return []
 
 
 _STDERR = os.dup(2)  # the terminal, even while a checkpoint save holds descriptor 2
