@@ -163,8 +163,11 @@ def recompute_layers(plan: Plan, fraction) -> Plan:
 
 def recomputed_layers(graph: Graph, fraction) -> list:
     """The repeated layers ``recompute_layers(plan, fraction)`` checkpoints."""
-    p = Fraction(fraction).limit_denominator(64)
-    if not 0 <= p <= 1:
+    try:
+        p = Fraction(fraction).limit_denominator(64)
+    except (TypeError, ValueError):  # 'all', None, a list: not a number
+        p = None
+    if p is None or not 0 <= p <= 1:
         raise PlanError(f"recompute={fraction!r}: expected a fraction between 0 and 1")
     if p == 0:
         return []
