@@ -73,7 +73,9 @@ def test_pipeline_estimate_runs_the_schedule_on_stage_costs(gpt):
     many = estimate_pipeline(plan, "dgx2_v100", microbatches=8)
     # one micro-batch runs the stages one after the other: half the devices idle
     assert one.bubble == pytest.approx(0.5, abs=0.1)
-    assert many.bubble < one.bubble / 2  # 1F1B fills the pipeline with micro-batches
+    # 1F1B fills the pipeline with micro-batches; not down to 1/9 here: stage 1 holds the
+    # head and the loss (a 57 us forward against stage 0's 5.5 us), so stage 0 waits (0.29)
+    assert many.bubble < 0.6 * one.bubble
     assert many.step_time < 8 * one.step_time
     # 1F1B keeps 2 micro-batches in flight on stage 0 whatever m is: memory stays
     assert many.memory["activations"] == pytest.approx(
