@@ -4,6 +4,7 @@ A space is a callable ``space(graph, n_devices) -> Plan``. ``SPACES`` maps the n
 command line accepts (``--plan "megatron(tp=2, dp=4)"``) to the functions making them.
 """
 
+from jscaler.search import register_candidates
 from spaces.alphafold import alphafold_3f1b
 from spaces.baselines import alpa_like, deepspeed, megatron_3d
 from spaces.coshard import coshard
@@ -29,6 +30,11 @@ SPACES = {
     "usp": usp,
     "zero": zero,
 }
+
+# every space's settings are candidates of plan="auto" (jscaler.search.register_candidates)
+from spaces.grid import candidates as _candidates  # noqa: E402  (grid reads SPACES)
+
+register_candidates(_candidates)
 
 __all__ = [
     "SPACES",

@@ -24,10 +24,14 @@ def _divides(n: int, *ks: int) -> bool:
 
 def settings(name: str, n: int) -> list[tuple[str, object]]:
     """``[(expression, space)]`` for space ``name`` on ``n`` devices."""
+    return [(expression(name, kw), SPACES[name](**kw)) for kw in knob_settings(name, n)]
+
+
+def knob_settings(name: str, n: int) -> list[dict]:
+    """The knobs of space ``name``'s settings on ``n`` devices."""
     if name not in SPACES:
         raise KeyError(f"no space {name!r}; spaces: {sorted(SPACES)}")
-    make = SPACES[name]
-    out: list[tuple[str, dict]] = []
+    out: list[dict] = []
     if name in ("megatron", "megatron_3d"):
         for tp in TP:
             for pp in PP:
@@ -62,10 +66,49 @@ def settings(name: str, n: int) -> list[tuple[str, object]]:
         out = [{"pp": pp} for pp in PP if _divides(n, pp)]
     else:
         out = [{}]
-    return [(expression(name, kw), make(**kw)) for kw in out]
+    return out
 
 
 def expression(name: str, kw: dict) -> str:
     """The plan expression of space ``name`` with knobs ``kw``: ``megatron(tp=2, pp=1)``."""
     args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
     return f"{name}({args})"
+
+
+def state_shards(name: str, kw: dict, n: int) -> int:
+    """How many ways a setting splits the model state, at the least (0: not bounded)."""
+    if name in ("megatron", "megatron_3d", "coshard"):
+        return n if kw.get("zero") == 3 else kw.get("tp", 1) * kw.get("pp", 1)
+    if name == "deepspeed" or (name == "zero" and kw.get("stage") == 3):
+        return n
+    if name in ("dp", "dap", "zero", "ulysses", "ring"):
+        return 1
+    return 0
+
+
+# searched elsewhere: megatron_3d is megatron with pp > 1; alpa_like is the engine's own
+# ILP pipelines (jscaler.search.StagedILP) with even stages
+NOT_SEARCHED = ("megatron_3d", "alpa_like")
+
+
+def candidates(graph, n: int) -> list:
+    """Every space's settings on ``n`` devices as candidates of ``plan="auto"``
+    (registered by ``import spaces``): a setting with ``recompute=1`` comes with its
+    version without, the recomputing one tried only where that one does not fit."""
+    from jscaler.search import Candidate
+
+    out = []
+    for name in sorted(SPACES):
+        if name in NOT_SEARCHED:
+            continue
+        for kw in knob_settings(name, n):
+            expr, space = expression(name, kw), SPACES[name](**kw)
+            shards, stages = state_shards(name, kw, n), kw.get("pp", 1)
+            if kw.get("recompute"):
+                plain = {k: v for k, v in kw.items() if k != "recompute"}
+                base = expression(name, plain)
+                out.append(Candidate(base, SPACES[name](**plain), shards, stages))
+                out.append(Candidate(expr, space, shards, stages, fallback_of=base))
+            else:
+                out.append(Candidate(expr, space, shards, stages))
+    return list({c.name: c for c in out}.values())

@@ -11,7 +11,7 @@ import ast
 import os
 
 from jscaler.errors import PlanError
-from jscaler.search import intra_op
+from jscaler.search import auto, intra_op
 from spaces import SPACES
 
 __all__ = ["parse_call", "parse_plan"]
@@ -43,7 +43,7 @@ def parse_plan(expr: str):
     name, or a plan JSON path (returned as the path)."""
     if os.path.isfile(expr):
         return expr
-    table = SPACES | {"intra_op": intra_op, "auto": intra_op}
+    table = SPACES | {"intra_op": intra_op, "auto": auto}
     expected = (
         f'a call of one of {sorted(table)} such as "megatron(tp=2)", "auto" (searched), or '
         f"a plan JSON path"

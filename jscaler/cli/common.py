@@ -96,13 +96,18 @@ def abstract_model(spec):
 
 
 def setup_trainer(args, optimizer):
+    import dataclasses
+
     import jscaler
+    import jscaler.search
     import models
     from spaces.parse import parse_plan
 
     spec = models.get(args.model)
     model = spec.init(0)
     plan = parse_plan(args.plan)
+    if isinstance(plan, jscaler.search.Auto):  # the joint search shows its progress
+        plan = dataclasses.replace(plan, progress=True)
     pp = getattr(plan, "pp", 1)
     microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
     # a pipeline's micro-batches each get the model's default batch size unless told

@@ -15,7 +15,10 @@ def register(sub) -> None:
         description="Trace a reference model (no weights are made) and, for each --plan, "
         "print the cost model's prediction on --devices devices of --cluster: step time, "
         "MFU, memory per device (and whether it fits), collective bytes. --plan auto (the "
-        "default) runs the op-trans/op-assign ILP (CP-SAT) and prints the plan it picks. "
+        "default; also --auto) searches jointly: mesh shapes with the op-trans/op-assign ILP "
+        "(CP-SAT), pipelines with Alpa's stage DP, every space's settings, schedules, ZeRO, "
+        "recompute and micro-batch counts, and prints the fastest plan that fits (with "
+        "--mesh: the ILP alone on that mesh). "
         "Every figure is SIMULATED from the cost model, not measured.",
     )
     pl.add_argument("--model", required=True, help="a reference model, e.g. gpt-small")
@@ -44,7 +47,10 @@ def register(sub) -> None:
         help="rank a space's settings on these devices (repeatable), e.g. --space megatron: "
         "every tp x pp it allows, predicted and sorted, the best that fits first",
     )
-    pl.add_argument("--mesh", default=None, help='the searched mesh, e.g. "dp=2,tp=4"')
+    pl.add_argument("--auto", action="store_true", help="search jointly (the same as --plan auto)")
+    pl.add_argument(
+        "--mesh", default=None, help='--plan auto: only the ILP on this mesh, e.g. "dp=2,tp=4"'
+    )
     pl.add_argument(
         "--capacity",
         type=non_negative_float,
@@ -65,7 +71,12 @@ def register(sub) -> None:
         help="micro-batches of a pipeline plan (default 2 x its stage groups); the model's "
         "batch size is one micro-batch",
     )
-    pl.add_argument("--explain", action="store_true", help="print the searched plan's splits")
+    pl.add_argument(
+        "--explain",
+        action="store_true",
+        help="auto: why the winner beat the runner-up (time, memory, bytes) and the best "
+        "candidates; with --mesh: the searched plan's splits",
+    )
     pl.add_argument("--json", action="store_true", help="print the predictions as JSON")
     pl.set_defaults(run=_plan_cmd)
 
@@ -88,7 +99,8 @@ def _plan_cmd(args) -> int:
     cluster = get_cluster(args.cluster)
     capacity = args.capacity * 2**30 if args.capacity else cluster.memory
     rows = []
-    todo = [(expr, None) for expr in args.plan or ([] if args.space else ["auto"])]
+    exprs = (args.plan or []) + (["auto"] if args.auto else [])
+    todo = [(expr, None) for expr in exprs or ([] if args.space else ["auto"])]
     for name in args.space or ():
         from spaces.grid import settings
 
@@ -101,10 +113,13 @@ def _plan_cmd(args) -> int:
         start = time.perf_counter()
         if made is not None:
             space = _for_cluster(made, expr, cluster, args.capacity and capacity)
-        elif expr.strip() == "auto":
-            mesh = dict(_mesh_arg(args.mesh)) if args.mesh else None
+        elif expr.strip() == "auto" and not args.mesh:
+            rows.append(_auto_row(args, spec, cluster, capacity))
+            continue
+        elif expr.strip() == "auto":  # the ILP alone on the mesh given
             space = intra_op(
-                mesh, cluster, capacity, args.dtype, optimizer_slots=args.optimizer_slots,
+                dict(_mesh_arg(args.mesh)), cluster, capacity, args.dtype,
+                optimizer_slots=args.optimizer_slots,
                 cache=not args.explain,  # --explain shows the solve, so solve
             )  # fmt: skip
         else:
@@ -172,6 +187,52 @@ def _plan_cmd(args) -> int:
             f"{'yes' if r['fits'] else 'NO':>5} {r['comm_mb']:>9.1f} {r['plan_s']:>7.1f}"
         )
     return 0
+
+
+def _auto_row(args, spec, cluster, capacity) -> dict:
+    """The joint search (``jscaler.search.search``) over the model's batch as the global
+    batch, cut into every micro-batch count up to 16 that divides it."""
+    import jax
+
+    import schedules  # noqa: F401  (registers the schedules the search tries)
+    from jscaler import trace
+    from jscaler.search import search
+
+    size = spec.batch_size
+    counts = tuple(m for m in (1, 2, 4, 8, 16) if size % m == 0)
+
+    def graph_of(m: int):
+        batch = spec.batch(size, 0)
+        micro = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype), batch
+        )
+        return trace(spec.loss, abstract_model(spec), micro, strict=False)
+
+    result = search(
+        graph_of, args.devices, cluster=cluster, capacity=capacity, dtype=args.dtype,
+        optimizer_slots=args.optimizer_slots, microbatches=counts,
+        cache=not args.explain, progress=not args.json,
+    )  # fmt: skip
+    if args.explain:
+        print(result.explain())
+        print("\n".join(result.table(top=15)))
+    best = result.best
+    if best is None:
+        return {"plan": "auto", "error": result.explain().splitlines()[-1]}
+    est = result.estimate
+    return {
+        "plan": f"auto: {result.plan.name} [m={best.microbatches}"
+        + (f", {best.schedule}]" if best.schedule else "]"),
+        "batch": size,
+        "step_ms": est.step_time * 1e3,
+        "mfu": est.mfu,
+        "memory_gib": est.memory["total"] / 2**30,
+        "fits": True,
+        "comm_mb": est.comm_bytes / 1e6,
+        "bubble": est.bubble,
+        "plan_s": result.seconds,
+        "tries": len(result.rows),
+    }
 
 
 def _for_cluster(space, expr: str, cluster, capacity):

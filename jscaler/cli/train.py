@@ -131,6 +131,8 @@ def _train(args) -> int:
     print(f"{spec.name}: {spec.description}")
     print(describe(trainer))
     if args.explain:
+        if (searched := trainer.plan.__dict__.get("auto")) is not None:
+            print(searched.explain())
         for plan in plans_of(trainer):
             print(explain(plan))
     start_step = 0

@@ -40,6 +40,8 @@ from jscaler.runtime.precision import compute_dtype, with_compute_dtype
 from jscaler.runtime.preflight import check_memory, device_capacity, optimizer_slots
 from jscaler.runtime.program import Program
 from jscaler.runtime.spmd import SpmdProgram
+from jscaler.search.candidates import tuned
+from jscaler.search.joint import Auto
 
 __all__ = [
     "Planner",
@@ -200,7 +202,14 @@ class Planner:
             self.master = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in params]
             tree = jax.tree_util.tree_unflatten(sig.params_def, self.master)
             self.slots = optimizer_slots(self.optimizer, tree)
-        plan = resolve_plan(self.space, graph, len(self.devices), self.cluster)
+        space = self.space
+        if (isinstance(space, str) and space == "auto") or isinstance(space, Auto):
+            space = tuned(
+                Auto() if isinstance(space, str) else space, microbatches=self.microbatches,
+                optimizer_slots=self.slots, dtype=self.precision,
+                **({"cluster": self.cluster} if self.cluster is not None else {}),
+            )  # fmt: skip
+        plan = resolve_plan(space, graph, len(self.devices), self.cluster)
         ready = prepare(
             plan, self.devices, microbatches=self.microbatches, schedule=self.schedule,
             cluster=self.cluster, precision=self.precision, slots=self.slots,
@@ -295,10 +304,8 @@ def resolve_plan(plan, graph: Graph, n_devices: int, cluster: Cluster | None = N
     if isinstance(plan, str):
         if plan == "dp":
             return data_parallel(graph, n_devices)
-        if plan == "auto":  # the ILP's plan on one mesh axis, for this machine's devices
-            from jscaler.search import intra_op
-
-            return intra_op(cluster=cluster or "cpu")(graph, n_devices)
+        if plan == "auto":  # the joint search, for this machine's devices
+            return Auto(cluster=cluster or "cpu")(graph, n_devices)
         if os.path.exists(plan):
             with open(plan) as f:
                 return Plan.from_json(f.read(), graph, f"plan file {plan}")

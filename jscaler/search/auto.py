@@ -24,7 +24,7 @@ from jscaler.plan.plan import Plan
 from jscaler.search.ilp import solve, to_plan
 from jscaler.search.problem import build_problem
 
-__all__ = ["IntraOp", "intra_op"]
+__all__ = ["IntraOp", "intra_op", "write_atomically"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class IntraOp:
         plan = to_plan(problem, sol, name=f"intra_op({shape})")
         plan = recompute_layers(plan, self.recompute).evolve(name=plan.name)
         if path is not None:
-            _write_atomically(path, plan.to_json())
+            write_atomically(path, plan.to_json())
         plan.__dict__["search"] = (problem, sol)  # for explain / the CLI
         return plan
 
@@ -92,7 +92,7 @@ class IntraOp:
 SEARCH_VERSION = 5  # bump when the problem or the solver changes what a search returns
 
 
-def _write_atomically(path, text: str) -> None:
+def write_atomically(path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     try:

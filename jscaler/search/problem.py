@@ -193,8 +193,13 @@ def build_problem(
     def local(t, lay: Layout) -> float:
         return local_bytes(graph, t, lay, sizes)
 
+    groups: dict[tuple, tuple[int, ...]] = {}
+
     def group(axes) -> tuple[int, ...]:
-        return mesh.group(**{a: 0 for a in names if a not in axes})
+        key = tuple(axes)
+        if key not in groups:
+            groups[key] = mesh.group(**{a: 0 for a in names if a not in axes})
+        return groups[key]
 
     def coll(kind, b, axes, combined: bool = False) -> float:
         """``combined``: a parameter-gradient reduction or a ZeRO all-gather, which XLA
