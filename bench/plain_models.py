@@ -12,6 +12,8 @@ vocabulary).
 * ``hf-gpt2``, ``hf-llama``: Hugging Face ``FlaxGPT2LMHeadModel`` and
   ``FlaxLlamaForCausalLM`` from small configs, random init, called through
   ``model(ids, params=...)`` (GPT-2 fuses q/k/v too; Llama uses grouped-query attention).
+* ``hf-bert``: Hugging Face ``FlaxBertForMaskedLM`` (not in :data:`BUILDERS`: ``jscaler
+  bench cost`` measures it, ``bench plain`` does not compare it).
 * ``gpt-small``: the registered nnx ``gpt-small``.
 * ``swin``: the registered nnx Swin Transformer (``swin-tiny``).
 """
@@ -249,6 +251,56 @@ def hf_llama(size: Size) -> BenchModel:
         lambda: (init(), loss),
         _tokens(size),
         LLAMA_RULES,
+    )
+
+
+BERT_RULES = [
+    (r"attention/self/(query|key|value)/kernel$", COL),
+    (r"attention/self/(query|key|value)/bias$", P("tp")),
+    (r"attention/output/dense/kernel$", ROW),
+    (r"intermediate/dense/kernel$", COL),
+    (r"intermediate/dense/bias$", P("tp")),
+    (r"layer/\d+/output/dense/kernel$", ROW),
+    (r"word_embeddings/embedding$", ROW),
+]
+
+
+def masked_lm_loss(model, vocab: int, every: int = 7):
+    """``loss(params, batch)``: BERT's masked-LM objective on a fixed mask: one position
+    in ``every`` of each sequence becomes the token ``vocab - 1`` and is predicted."""
+
+    def loss(params, batch):
+        ids = batch["ids"]
+        masked = jnp.arange(ids.shape[1]) % every == every // 2
+        logits = model(jnp.where(masked, vocab - 1, ids), params=params).logits
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, ids)
+        return (ce * masked).sum() / (masked.sum() * ids.shape[0])
+
+    return loss
+
+
+def hf_bert(size: Size) -> BenchModel:
+    """Hugging Face ``FlaxBertForMaskedLM`` (bidirectional, post-norm, MLM head tied to
+    the word embeddings) from a small config, random init."""
+    import transformers as hf
+
+    cfg = hf.BertConfig(
+        vocab_size=size.vocab, hidden_size=size.d, num_hidden_layers=size.layers,
+        num_attention_heads=size.heads, intermediate_size=4 * size.d,
+        max_position_embeddings=size.seq,
+    )  # fmt: skip
+    model, init = _hf(hf.FlaxBertForMaskedLM, cfg)
+    loss = masked_lm_loss(model, size.vocab)
+    return BenchModel(
+        "hf-bert",
+        f"Hugging Face FlaxBertForMaskedLM (masked LM, 1 in 7 tokens): d {size.d}, "
+        f"{size.layers} layers, {size.heads} heads, seq {size.seq}, vocab {size.vocab}, "
+        f"batch {size.batch}",
+        init,
+        loss,
+        lambda: (init(), loss),
+        _tokens(size),
+        BERT_RULES,
     )
 
 
