@@ -144,8 +144,9 @@ def _bench_cost(args) -> int:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
         return 0
     print(
-        f"cost model vs XLA on {args.devices or 8} simulated devices: memory per device (MB) "
-        "and collective bytes per step (MB); err = predicted / measured - 1"
+        f"cost model vs XLA on {args.devices or 8} simulated devices (AdamW; pipelines "
+        f"{cost.PIPELINE_MICROBATCHES} micro-batches): memory per device (MB) and collective "
+        "bytes per step (MB); err = predicted / measured - 1"
     )
     print("\n".join(cost.table(rows)))
     return 0

@@ -13,13 +13,17 @@
   runtime still reduces inside each micro-batch) and overlap the backward compute (as DDP
   buckets do); everything else is exposed, the optimizer side (ZeRO's all-gather of the
   updated parameters) included.
-* **Memory per device**: parameters, gradients and optimizer state in their stored,
-  gradient and update layouts; the batch; and the activations the backward pass keeps:
-  every forward value a non-linear consumer reads (a matmul's operands, an exp's output
-  ...), in its layout, except values made and read inside one recomputed layer or coshard
-  region (the backward reruns it from its inputs); plus the working set of the largest
-  recomputed group while its backward runs (a coshard region inside it counts one
-  colocated piece: the pieces run one at a time).
+* **Memory per device**: parameters and optimizer state in their stored and update
+  layouts and the batch, held throughout; then the larger of two phases. The backward
+  pass holds the activations it keeps: every forward value a non-linear consumer reads
+  (a matmul's operands, an exp's output ...), in its layout, except values made and read
+  inside one recomputed layer or coshard region (the backward reruns it from its
+  inputs); plus the working set of the largest recomputed group while its backward runs
+  (a coshard region inside it counts one colocated piece: the pieces run one at a time).
+  The gradient reduction after it holds every gradient as the backward made it (partial
+  sums over data parallelism, in the layout the forward read the parameter in: ZeRO-3's
+  gathered one), since XLA combines a step's reductions into one collective, and their
+  reduced copies. ``jscaler bench cost`` holds the total to XLA's ``memory_analysis()``.
 * **MFU / HFU**: model FLOPs per step (forward + backward of the unsplit graph, 3x its
   forward FLOPs as in PaLM's appendix B) over step time x devices x peak; HFU counts the
   recomputed forward too.
@@ -117,8 +121,15 @@ def local_bytes(g, t: int, layout: Layout | None, sizes) -> float:
     return whole / math.prod(sizes[a] for axes in layout.spec for a in axes)
 
 
-def memory_breakdown(params, grads, optimizer, batch, activations) -> dict:
-    """The per-device memory dict of an :class:`Estimate` (bytes; ``total`` added)."""
+def memory_breakdown(params, grads, optimizer, batch, activations, reduced=None) -> dict:
+    """The per-device memory dict of an :class:`Estimate` (bytes; ``total`` added).
+
+    ``total`` holds the parameters, optimizer state and batch throughout, plus the
+    gradients and activations together; or, given ``reduced`` (the bytes the gradient
+    reduction writes), the larger of two phases of one step: the backward pass holding
+    the kept activations, and the reduction after it holding every gradient unreduced
+    (``grads``) and reduced.
+    """
     parts = {
         "params": params,
         "grads": grads,
@@ -126,7 +137,8 @@ def memory_breakdown(params, grads, optimizer, batch, activations) -> dict:
         "batch": batch,
         "activations": activations,
     }
-    return parts | {"total": sum(parts.values())}
+    working = grads + activations if reduced is None else max(activations, grads + reduced)
+    return parts | {"total": params + optimizer + batch + working}
 
 
 def _bwd_factor(op, needs) -> float:
@@ -364,7 +376,7 @@ def _memory(low, g, sizes, slots: int, scale: float = 1.0) -> dict:
         return local_bytes(g, t, layout, sizes)
 
     params = sum(size(t, low.storage[t]) for t in low.update)
-    grads = sum(size(t, low.grad[t]) for t in low.grad)
+    grads = sum(size(t, unreduced_grad(low, t)) for t in low.grad)
     opt = slots * sum(size(t, low.update[t]) for t in low.update)
     batch = sum(size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch")
     produced = {}
@@ -383,7 +395,34 @@ def _memory(low, g, sizes, slots: int, scale: float = 1.0) -> dict:
     acts += scale * max(
         working_set(low), *(sum(size(t, produced[t]) for t in ts) for ts in gathered), 0.0
     )
-    return memory_breakdown(params, grads, opt, batch, acts)
+    reduced = sum(size(t, low.grad[t]) for t in low.grad)
+    return memory_breakdown(params, grads, opt, batch, acts, reduced)
+
+
+def unreduced_grad(low, t: int) -> Layout:
+    """The layout of parameter ``t``'s gradient as the backward pass makes it, before its
+    reduction: the layout the forward reads the parameter in (ZeRO-3: the gathered one),
+    partial sums over the data-parallel axes it is reduced over. XLA combines the
+    gradient reductions of a step into one collective after the backward (on CPU a
+    ZeRO reduce-scatter is an all-reduce then a slice), so every parameter's gradient is
+    alive at this size at once, whatever layout the reduction leaves it in."""
+    g = low.plan.pgraph.graph
+    sizes = low.plan.mesh.shape
+    best = low.grad[t]
+    seen = {t}
+    todo = [t]
+    while todo:
+        x = todo.pop()
+        for o in g.consumers(x):
+            if o.kind == "identity":  # a ZeRO-3 gather: the forward reads its output
+                todo.extend(y for y in o.outputs if y not in seen)
+                seen.update(o.outputs)
+                continue
+            for y, lay in zip(o.inputs, low.ops[o.id].inputs):
+                if y == x and lay is not None:
+                    if local_bytes(g, t, lay, sizes) > local_bytes(g, t, best, sizes):
+                        best = lay
+    return best
 
 
 def recomputed_ops(plan: Plan) -> set[int]:

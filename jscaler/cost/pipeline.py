@@ -11,9 +11,13 @@ durations (:func:`jscaler.simulate`); the step is the makespan plus the optimize
 of the slowest group: parameter gradients accumulate over the micro-batches and are
 reduced once after the pipeline drains, then the update runs. Each group's plan covers
 the whole graph; a group is charged only the collectives of its own stages and of the
-parameters they read. Memory per device: the parameter state of its group's stages plus
-each stage's kept activations times the micro-batches the schedule holds in flight
-there, summed over the groups a device belongs to.
+parameters they read. Collective bytes count what the runtime runs: each micro-batch's
+backward program reduces its stage's parameter gradients (the timing above still
+assumes one reduction per step, as Megatron-LM accumulates before reducing). Memory per
+device: the parameter copies and gradients of its group's stages plus each stage's kept
+activations times the micro-batches the schedule holds in flight there, summed over the
+groups a device belongs to; plus, once, the update's share of the master parameters and
+optimizer state, which the runtime splits over every pipeline device.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from jscaler.cost.estimate import (
     recompute_groups,
     recomputed_ops,
     saved_for_backward,
+    unreduced_grad,
     value_scale,
     working_set,
 )
@@ -123,9 +128,11 @@ def estimate_pipeline(
                     hardware += sum(o.flops for o in ops)
         # the group's plan covers the whole graph: charge it only what its stages run
         pg = gp.pgraph
-        read_here = {
-            x for o in pg.graph.ops if _on(o, gi, stage_of, sched, pg.graph) for x in o.inputs
-        }
+        on_here = [o for o in pg.graph.ops if _on(o, gi, stage_of, sched, pg.graph)]
+        read_here = {x for o in on_here for x in o.inputs}
+        # (module path, tensor) of the reads here: a parameter read on several stages (a
+        # tied embedding and LM head) has each reader's gradient reduced on its own stage
+        read_at = {(o.path, x) for o in on_here for x in o.inputs}
         opt = {d: 0.0 for d in mesh.devices}  # optimizer-side ops, once per step
         for vop in (*pg.grad_ops, *pg.update_ops):
             if vop.inputs[0] in read_here:
@@ -138,7 +145,10 @@ def estimate_pipeline(
         for r in comm_table(low, 1).rows:
             role = pg.graph.tensors[r.tensor].role
             s, k = where(r.tensor)
-            if role == "param" or r.phase == "update":
+            if role == "param" and r.phase == "backward":
+                if (r.path, r.tensor) not in read_at:
+                    continue
+            elif role == "param" or r.phase == "update":
                 if r.tensor not in read_here:
                     continue
             elif s is None or sched.placement[s] != gi:
@@ -147,7 +157,9 @@ def estimate_pipeline(
             devs = [group.devices[mesh.devices.index(d)] for d in mesh.group(**fixed)]
             nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
             grad = r.phase == "backward" and r.tensor in from_params
-            moved[gi] += r.bytes * r.times * (1 if grad or r.phase == "update" else microbatches)
+            # each micro-batch's backward program reduces its parameter gradients (the
+            # stages run one program per micro-batch); the update side runs once
+            moved[gi] += r.bytes * r.times * (1 if r.phase == "update" else microbatches)
             if grad or r.phase == "update":  # once per step, after the pipeline drains
                 combined.add(None, r.collective, devs, nbytes)
                 continue
@@ -158,7 +170,7 @@ def estimate_pipeline(
                 fwd_cost[s, k] = fwd_cost.get((s, k), 0.0) + t
         update[gi] += combined.seconds().get(None, 0.0)
         memory[gi] = _group_memory(
-            value_scale(dtype), gp, low, g, stages, stage_of, pass_of, last, sched, optimizer_slots
+            value_scale(dtype), gp, low, g, stages, stage_of, pass_of, last, sched
         )
 
     # point-to-point: a value crossing groups is received before the consumer's forward
@@ -203,6 +215,12 @@ def estimate_pipeline(
             acc = per_device.setdefault(d, dict.fromkeys(memory[gi], 0.0))
             for key, v in memory[gi].items():
                 acc[key] += v
+    # the update's state, once per device: master parameters and optimizer moments split
+    # over every pipeline device (ZeRO-1 across the pipeline, jscaler.runtime.handoff)
+    state = (1 + optimizer_slots) * _update_share(g, len(plan.devices))
+    for acc in per_device.values():
+        acc["optimizer"] += state
+        acc["total"] += state
     worst = max(per_device.values(), key=lambda m: m["total"])
     n_devices = len(plan.devices)
     total_comm = sum(update.values())
@@ -234,7 +252,21 @@ def _on(op, gi: int, stage_of, sched, graph) -> bool:
     return any(_on(u, gi, stage_of, sched, graph) for u in users)
 
 
-def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, slots) -> dict:
+def _update_share(g, n: int) -> float:
+    """Bytes of one copy of the parameters per device when the update splits each over
+    ``n`` devices along its first axis ``n`` divides (else keeps it whole), as
+    ``jscaler.runtime.handoff.zero_spec`` lays out the master copy and its moments."""
+    total = 0.0
+    for p in g.params():
+        nbytes = math.prod(p.shape) * jnp.dtype(p.dtype).itemsize
+        total += nbytes / n if any(d % n == 0 for d in p.shape) else nbytes
+    return total
+
+
+def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched) -> dict:
+    """A group's stages' memory per device: their parameter copies and gradients, batch
+    and kept activations (the update's master copy and optimizer state are not the
+    group's: :func:`_update_share`)."""
     sizes = gp.mesh.shape
 
     def size(t, layout):
@@ -244,8 +276,8 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, slo
     read = {x for o in mine for x in o.tensor_inputs}
     params = [t for t in low.update if t in read]
     p_bytes = sum(size(t, low.storage[t]) for t in params)
-    grads = sum(size(t, low.grad[t]) for t in params)
-    opt = slots * sum(size(t, low.update[t]) for t in params)
+    grads = sum(size(t, unreduced_grad(low, t)) for t in params)
+    opt = 0.0
     batch = sum(
         size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch" and t in read
     )

@@ -1,0 +1,103 @@
+"""The cost model held to XLA (``jscaler bench cost``'s rows) and the out-of-memory
+preflight tried both ways on small capacities.
+
+Tolerances are what the cost model reaches today (docs/cost-model.md has the whole
+table): argument bytes within 1%; collective bytes within 5% and the total per-device
+memory (the preflight's number) within 10% on the rows below, which reach the issue's
+targets; other rows miss them by up to the bench's largest error (ZeRO-3's temp,
+pipelines' residuals), and the ZeRO-3 preflight case is a strict xfail for that reason.
+"""
+
+import dataclasses
+
+import optax
+import pytest
+
+import jscaler
+import models
+from bench import cost
+from jscaler.cost import get_cluster
+from spaces.parse import parse_plan
+
+ARGS_TOL, COMM_TOL, TOTAL_TOL = 0.01, 0.05, 0.10
+
+
+def _check(row: cost.Row) -> None:
+    assert row.error is None
+    errs = {c: cost.error(getattr(row, c)) for c in ("stored", "total", "comm")}
+    assert abs(errs["stored"]) <= ARGS_TOL, (row, errs)
+    assert abs(errs["comm"]) <= COMM_TOL, (row, errs)
+    assert abs(errs["total"]) <= TOTAL_TOL, (row, errs)
+
+
+@pytest.mark.parametrize(
+    "model, expr",
+    [
+        ("gpt-tiny", "dp"),
+        ("gpt-tiny", "megatron(tp=4, dp=2, zero=3)"),
+        pytest.param("hf-llama", "dp", marks=pytest.mark.slow),
+        pytest.param("hf-bert", "megatron(tp=4, dp=2, zero=3)", marks=pytest.mark.slow),
+    ],
+)
+def test_bench_cost_rows_within_targets(model, expr):
+    _check(cost.measure(model, expr))
+
+
+@pytest.mark.slow
+def test_pipeline_row_args_and_bytes():
+    """A pipeline's stored bytes (stage copies + the update's share of the master and
+    optimizer state) and collective bytes (each micro-batch's gradient reduction)."""
+    row = cost.measure("gpt-tiny", "megatron(pp=2)")
+    assert abs(cost.error(row.stored)) <= ARGS_TOL, row
+    assert abs(cost.error(row.comm)) <= COMM_TOL, row
+
+
+def _peak(trainer, batch) -> int:
+    ma = trainer.compiled(batch).memory_analysis()
+    return (
+        ma.argument_size_in_bytes
+        + ma.output_size_in_bytes
+        - ma.alias_size_in_bytes
+        + ma.temp_size_in_bytes
+    )
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "dp",
+        "megatron(tp=2)",
+        "megatron(tp=4, dp=2, zero=3)",
+        # XLA allocates ~40% more temp under ZeRO-3 than the estimate's peak: a capacity
+        # just above the prediction admits a plan that does not fit (docs/cost-model.md)
+        pytest.param("zero(stage=3)", marks=pytest.mark.xfail(strict=True, reason="ZeRO-3 temp")),
+    ],
+)
+def test_preflight_both_ways(expr):
+    """On capacities around XLA's measured peak and the predicted total: an admitted plan
+    compiles, runs and fits; a refused one does not fit; both within TOTAL_TOL."""
+    spec = models.get("gpt-tiny")
+    batch = spec.batch(spec.batch_size, 0)
+
+    def make(cluster=None):
+        return jscaler.parallelize(
+            spec.init(0), spec.loss, optax.adamw(1e-3), batch, devices=8,
+            plan=parse_plan(expr), cluster=cluster,
+        )  # fmt: skip
+
+    free = make()  # CPU devices report no memory limit: no preflight
+    peak, predicted = _peak(free, batch), free.estimate("cpu").memory["total"]
+    verdicts = {}
+    for capacity in (0.85 * peak, 0.99 * predicted, 1.01 * predicted, 1.15 * peak):
+        cluster = dataclasses.replace(get_cluster("cpu"), memory=capacity)
+        try:
+            trainer = make(cluster)
+        except jscaler.OutOfMemoryError as e:
+            assert "predicted to need" in str(e)
+            verdicts[capacity] = "refused"
+            assert peak > capacity / (1 + TOTAL_TOL), (peak, predicted, capacity)
+            continue
+        verdicts[capacity] = "admitted"
+        trainer.step(batch)  # it compiles and runs
+        assert _peak(trainer, batch) <= capacity * (1 + TOTAL_TOL), (peak, predicted, capacity)
+    assert verdicts[0.99 * predicted] == "refused" and verdicts[1.01 * predicted] == "admitted"
