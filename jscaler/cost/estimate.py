@@ -61,6 +61,10 @@ LINEAR = {
     "pad", "dynamic_slice", "rev", "select_n", "stop_gradient", "cumsum", "add_any",
 }  # fmt: skip
 
+# ops that show a parameter in another layout without computing a new value (a ZeRO-3
+# gather makes a new buffer: the reshard rule in _memory decides whether it is kept)
+PARAM_VIEWS = {"transpose", "reshape", "squeeze", "expand_dims", "copy"}
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -153,7 +157,8 @@ def saved_for_backward(graph, recomputed: Mapping[int, object] | None = None) ->
     some gradient flows through. ``recomputed`` maps op id -> its recomputed group (see
     :func:`recompute_groups`): a value made and read inside one group is not kept (the
     backward reruns the group from its inputs); the group's inputs and the values it makes
-    for readers outside it are."""
+    for readers outside it are. Parameters, and views of them (:data:`PARAM_VIEWS`), are
+    not activations."""
     own_output = {"exp", "tanh", "logistic", "sqrt", "rsqrt", "exp2"}
     needs = needs_grad(graph)
     groups = recomputed or {}
@@ -176,7 +181,13 @@ def saved_for_backward(graph, recomputed: Mapping[int, object] | None = None) ->
             continue
         for t in op.tensor_inputs:
             keep(t, op.id)
-    return {t for t in saved if graph.tensors[t].role == "value"}
+    # a parameter seen through a transpose or reshape (GPT-2's ``kernel.T``) is the
+    # parameter itself, kept anyway: XLA folds the view into the matmul reading it
+    return {
+        t
+        for t in saved
+        if graph.tensors[t].role == "value" and graph.param_behind(t, PARAM_VIEWS) is None
+    }
 
 
 def recompute_groups(plan: Plan) -> dict[int, object]:
