@@ -1,0 +1,173 @@
+"""``plan="auto"``: the joint search over the engine's candidates, every registered space's
+settings and the registered schedules (jscaler.search.joint)."""
+
+import functools
+
+import jax
+import pytest
+
+import jscaler
+import models
+import schedules  # noqa: F401  (registers the schedules the search tries)
+import spaces  # noqa: F401  (registers every space's settings)
+from jscaler.cli.common import abstract_model
+from jscaler.cost import estimate, estimate_pipeline
+from jscaler.search import Candidate, search
+from spaces import SPACES
+from spaces.grid import NOT_SEARCHED, knob_settings
+from tests.parity import assert_parity
+
+CLUSTER = "dgx2_v100"
+N = 8
+
+
+@functools.cache
+def graph_of(model: str, m: int) -> jscaler.Graph:
+    """One micro-batch of the model's batch cut into ``m``."""
+    spec = models.get(model)
+    batch = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype),
+        spec.batch(spec.batch_size, 0),
+    )
+    return jscaler.trace(spec.loss, abstract_model(spec), batch, strict=False)
+
+
+def counts(model: str) -> tuple[int, ...]:
+    size = models.get(model).batch_size
+    return tuple(m for m in (1, 2, 4) if size % m == 0)
+
+
+@functools.cache
+def searched(model: str):
+    return search(
+        functools.partial(graph_of, model), N, cluster=CLUSTER, microbatches=counts(model),
+        cache=False,
+    )  # fmt: skip
+
+
+def space_best(model: str, name: str) -> float | None:
+    """The fastest predicted step of space ``name``'s settings, computed here without the
+    search: SPMD settings at one micro-batch, pipelines (1F1B or their own schedule) at
+    every count offered from their group count up; only settings that fit."""
+    best = None
+    for kw in knob_settings(name, N):
+        pipeline = None
+        for m in counts(model):
+            if pipeline is False or (pipeline and m < kw.get("pp", 1)):
+                continue  # SPMD settings: one micro-batch; pipelines: from their groups up
+            try:
+                plan = SPACES[name](**kw)(graph_of(model, m), N)
+            except jscaler.PlanError:
+                break
+            pipeline = plan.is_pipeline
+            if plan.is_pipeline and m < plan.pipeline_groups:
+                continue
+            try:
+                if plan.is_pipeline:
+                    est = estimate_pipeline(plan, CLUSTER, microbatches=m)
+                else:
+                    est = estimate(plan, CLUSTER, microbatches=m)
+            except jscaler.JscalerError:  # 3F1B's three passes on a one-pass model
+                continue
+            if est.memory["total"] <= 32 * 2**30 and (best is None or est.step_time < best):
+                best = est.step_time
+    return best
+
+
+MODELS = [
+    "gpt-tiny",
+    pytest.param("t5-tiny", marks=pytest.mark.slow),
+    pytest.param("swin-tiny", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_auto_is_no_slower_than_any_spaces_best_setting(model):
+    result = searched(model)
+    assert result.best is not None and result.plan is not None
+    beaten = {}
+    for name in sorted(SPACES):
+        if name in NOT_SEARCHED:
+            continue
+        best = space_best(model, name)
+        if best is not None:
+            beaten[name] = best
+            # the same cost model on the same graphs: equal up to float summation order
+            assert result.best.step_time <= best * (1 + 1e-9), (name, best, result.explain())
+    assert {"dp", "megatron", "zero"} <= set(beaten)
+    print(f"\n{model}: auto {result.best.label()} {result.best.step_time * 1e3:.3f} ms;")
+    for name, best in sorted(beaten.items(), key=lambda kv: kv[1]):
+        print(f"  {name:<16} {best * 1e3:.3f} ms")
+
+
+def test_the_search_is_deterministic_cached_and_explained(tmp_path, monkeypatch):
+    monkeypatch.setenv("JSCALER_CACHE_DIR", str(tmp_path))
+    graph = graph_of("gpt-tiny", 2)  # two micro-batches: pipelines and their schedules
+    kw = dict(cluster=CLUSTER, microbatches=(2,))
+    first = search(graph, N, **kw)
+    again = search(graph, N, **kw, cache=False)
+    assert [r.label() for r in first.rows] == [r.label() for r in again.rows]
+    assert [r.step_time for r in first.rows] == [r.step_time for r in again.rows]
+    cached = search(graph, N, **kw)
+    assert cached.cached and not first.cached
+    assert cached.plan.name == first.plan.name and cached.best == first.best
+    assert list(tmp_path.glob("plans/auto-*.json"))
+    text = first.explain()
+    assert f"winner:    {first.best.label()}" in text
+    assert f"runner-up: {first.runner_up.label()}" in text and "faster" in text
+    kinds = {r.name for r in first.rows}
+    assert {"data_parallel", "intra_op(d=8)", "pipeline(pp=2, intra_op)"} <= kinds
+    assert any(r.name.startswith("megatron(") for r in first.rows)
+    assert {r.schedule for r in first.rows} >= {"1f1b", "gpipe", "zero_bubble"}
+
+
+def test_memory_prunes_and_decides(tmp_path, monkeypatch):
+    monkeypatch.setenv("JSCALER_CACHE_DIR", str(tmp_path))
+    graph = graph_of("gpt-tiny", 1)
+    kw = dict(cluster=CLUSTER, registered=False, cache=False)  # the engine's own candidates
+    full = search(graph, N, **kw)
+    # a capacity between the leanest plan and the winner's memory: the winner must change
+    lean = min(r.memory for r in full.rows if r.predicted)
+    capacity = (lean + full.best.memory) / 2
+    assert lean < full.best.memory
+    tight = search(graph, N, capacity=capacity, **kw)
+    assert tight.best.memory <= capacity and tight.best.fits
+    # a leaner plan (the ILP re-solves under the capacity), no faster than the free winner
+    assert tight.best.memory < full.best.memory
+    assert tight.best.step_time >= full.best.step_time
+    assert all(not r.fits for r in tight.rows if r.predicted and r.memory > capacity)
+    # a capacity below any plan's model state: pruned unplanned, and a clear error
+    none = search(graph, N, capacity=1e3, **kw)
+    assert none.best is None and none.plan is None
+    assert any(r.note.startswith("pruned: model state") for r in none.rows)
+    with pytest.raises(jscaler.PlanError, match="no candidate fits"):
+        jscaler.search.auto(CLUSTER, capacity=1e3, cache=False)(graph, N)
+
+
+def test_a_time_limit_returns_the_best_so_far_and_says_so():
+    graph = graph_of("mlp-tiny", 1)
+    result = search(graph, N, cluster=CLUSTER, time_limit=0.0, cache=False)
+    assert "time limit" in result.stopped and "stopped early" in result.explain()
+
+
+def test_candidates_of_ones_own_join_the_search():
+    graph = graph_of("mlp-tiny", 1)
+
+    def tp(g, n):
+        return SPACES["megatron"](tp=2)(g, n)
+
+    extra = Candidate("mine: megatron(tp=2)", tp, state_shards=2)
+    result = search(graph, N, cluster=CLUSTER, candidates=(extra,), registered=False,
+                    cache=False)  # fmt: skip
+    assert "mine: megatron(tp=2)" in {r.name for r in result.rows}
+    assert not any(r.name.startswith("zero(") for r in result.rows)  # registered=False
+    with pytest.raises(jscaler.PlanError, match="both named"):
+        search(graph, N, candidates=(extra, extra), cache=False)
+
+
+@pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny"])
+def test_auto_trains_equal_to_one_device(model):
+    """``plan="auto"`` (searched for the cpu cluster, as parallelize does) trains with
+    SGD to the single-device losses, gradients and parameters (tests.parity's fp32
+    tolerance)."""
+    assert_parity(model, "auto")
