@@ -130,7 +130,7 @@ class SearchResult:
             ("compute", best.compute, second.compute),
             ("exposed collectives", best.exposed_comm, second.exposed_comm),
         ):
-            if a is not None and b is not None and abs(a - b) > 1e-9:
+            if a is not None and b is not None and abs(a - b) >= 5e-7:  # 0.001 ms
                 why.append(f"{what} {(a - b) * 1e3:+.3f} ms")
         if best.bubble or second.bubble:
             why.append(f"bubble {best.bubble:.0%} vs {second.bubble:.0%}")
