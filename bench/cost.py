@@ -155,7 +155,7 @@ def _pipeline_measured(trainer, batch) -> tuple[float, float, float, float]:
         for kind in ("forward", "forward_res", "backward"):
             # cached_property: the instance's attribute shadows it for this trainer only
             st.__dict__[kind] = recorder((st.index, kind), getattr(st, kind))
-    program._update = recorder("update", program._update)
+    program.update_step = recorder("update", program.update_step)
     trainer.step(batch)
 
     def comm(compiled, mesh) -> int:

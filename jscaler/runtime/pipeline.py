@@ -233,7 +233,8 @@ class PipelineProgram:
         opt_shard = optimizer_shardings(optimizer, self.tree(master), self.tree(h.master), h.rep)
         n_state = len(self.driver.state_ids)
         self._shardings = TrainState(list(h.master), opt_shard, [None] * n_state)
-        self._update = self._jit_update()  # traced and compiled at the first step
+        # the jitted optimizer update (public: a bench compiles it to read its memory)
+        self.update_step = self._jit_update()  # traced and compiled at the first step
         self._staged: tuple = ((), None)  # (the master arrays, their stages' copies)
 
     @property
@@ -306,7 +307,7 @@ class PipelineProgram:
         if not math.isfinite(loss):  # caught before the update runs
             return state, {"loss": loss, "grad_norm": float("nan")}
         h = self.driver.handoff
-        master, opt, gnorm, done, stacked = self._update(
+        master, opt, gnorm, done, stacked = self.update_step(
             state.params, state.opt_state, h.gradients(grads)
         )
         self._staged = (list(master), h.stage_params(master, stacked))
