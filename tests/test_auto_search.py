@@ -15,7 +15,8 @@ from jscaler.cost import estimate, estimate_pipeline
 from jscaler.search import Candidate, search
 from spaces import SPACES
 from spaces.grid import NOT_SEARCHED, knob_settings
-from tests.parity import assert_parity
+
+from parity import assert_parity
 
 CLUSTER = "dgx2_v100"
 N = 8

@@ -275,12 +275,15 @@ def check_directory(directory: str | os.PathLike, nbytes: int = 0) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"jscaler")
-        probe.unlink()
     except OSError as e:
         raise CheckpointError(
             f"cannot write checkpoints to {path}: {e.strerror or e} ({type(e).__name__}). "
             f"Make it writable, or name another --checkpoint-dir"
         ) from e
+    finally:
+        # A write that fails midway (a full disk) can leave the probe behind.
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
     free = shutil.disk_usage(path).free
     if nbytes > free:
         raise CheckpointError(
