@@ -297,16 +297,19 @@ def build_problem(
             shape = graph.tensors[x].shape
             isz = jnp.dtype(graph.tensors[x].dtype).itemsize
             mat = [[0.0] * len(strategies[b]) for _ in strategies[a]]
+            dsts = [_reduced(graph, op, k, sc, mesh, inputs=True) for sc in strategies[b]]
+            priced: dict[tuple[Layout, Layout], float] = {}  # strategies share layouts
             for i, sp in enumerate(strategies[a]):
                 src = _reduced(graph, src_op, src_k, sp, mesh, inputs=src_in)
-                for j, sc in enumerate(strategies[b]):
+                for j, dst in enumerate(dsts):
                     if a == b and i != j:
                         continue
-                    dst = _reduced(graph, op, k, sc, mesh, inputs=True)
-                    moves = convert(shape, isz, src, dst, sizes)
-                    if x in needs:  # the cotangent goes back: dst -> src
-                        moves += convert(shape, isz, dst, src, sizes)
-                    mat[i][j] = sum(coll(kind, nb, axes) for kind, axes, nb in moves)
+                    if (src, dst) not in priced:
+                        moves = convert(shape, isz, src, dst, sizes)
+                        if x in needs:  # the cotangent goes back: dst -> src
+                            moves += convert(shape, isz, dst, src, sizes)
+                        priced[src, dst] = sum(coll(kind, nb, axes) for kind, axes, nb in moves)
+                    mat[i][j] = priced[src, dst]
             if not any(any(row) for row in mat):
                 continue
             if a == b:
