@@ -42,6 +42,9 @@ class AlphaFold3F1B:
                 f"alphafold_3f1b(pp={self.pp}) needs a device count divisible by pp; "
                 f"got {n_devices}"
             )
+        for name, v in (("tp", self.tp), ("dap", self.dap)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise jscaler.PlanError(f"alphafold_3f1b: {name} must be a positive int, got {v!r}")
         if self.dap > 1 and self.tp > 1:
             raise jscaler.PlanError(
                 f"alphafold_3f1b: tp={self.tp} and dap={self.dap} both split inside a stage; "

@@ -56,6 +56,12 @@ class AlpaLike:
             )
         if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
             raise jscaler.PlanError(f"alpa_like: pp must be a positive int, got {self.pp!r}")
+        slots = self.optimizer_slots
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise jscaler.PlanError(
+                f"alpa_like: optimizer_slots must be an int >= 0 (fp32 values of optimizer "
+                f"state per parameter: 2 for Adam), got {slots!r}"
+            )
         if n_devices % self.pp:
             raise jscaler.PlanError(
                 f"alpa_like(pp={self.pp}) needs a device count divisible by pp; got {n_devices}"

@@ -32,7 +32,9 @@ class Interlaced:
     recompute: float = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> jscaler.PipelinePlan:
-        if self.pp < 1 or n_devices % self.pp:
+        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
+            raise jscaler.PlanError(f"interlaced: pp must be a positive int, got {self.pp!r}")
+        if n_devices % self.pp:
             raise jscaler.PlanError(
                 f"interlaced(pp={self.pp}) needs a device count divisible by pp; got {n_devices}"
             )

@@ -285,6 +285,10 @@ def _infer_dp(
     for name, v in ((degree, tp), ("pp", pp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise jscaler.PlanError(f"{space}: {name} must be a positive int, got {v!r}")
+    if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
+        raise jscaler.PlanError(
+            f"{space}: dp must be a positive int, or left out to infer it; got {dp!r}"
+        )
     call = f"{space}({degree}={tp}" + (f", pp={pp}" if pp > 1 else "")
     need = f"{degree}*pp={tp * pp}" if pp > 1 else f"{degree}={tp}"
     if dp is None:

@@ -39,9 +39,11 @@ class Zero:
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
         if self.stage not in (1, 2, 3):
             raise jscaler.PlanError(f"zero(stage={self.stage!r}): stage must be 1, 2 or 3")
-        dp = self.dp or n_devices
-        if dp != n_devices:
-            raise jscaler.PlanError(f"zero(dp={dp}) needs {dp} devices; {n_devices} were given")
+        dp = n_devices if self.dp is None else self.dp
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp != n_devices:
+            raise jscaler.PlanError(
+                f"zero(dp={dp!r}): dp must be the device count, {n_devices}, or left out"
+            )
         plan = Plan.create(graph, MeshSpec.create(dp=dp), name=f"zero(stage={self.stage}, dp={dp})")
         plan = shard_params(plan, graph, self.stage, "dp", forward=True)
         return recompute_layers(plan, self.recompute)

@@ -47,21 +47,27 @@ KNOBS = {
 }
 
 
-def knob(param: inspect.Parameter, n: int, bad: bool):
-    """The strategy of one keyword of a space for ``n`` devices: by name (KNOBS), else
-    by its default's type; with ``bad``, values no space accepts as well."""
+def knob_values(param: inspect.Parameter, n: int):
+    """``(good, wrong)`` for one keyword of a space on ``n`` devices: a strategy of good
+    values and a list of values that may be invalid, by name (KNOBS), else by the
+    default's type."""
     default = param.default
     if param.name in KNOBS:
         good, wrong = KNOBS[param.name]
-        good = good(n)
-    elif isinstance(default, bool):
-        good, wrong = st.booleans(), [None, "yes"]
-    elif isinstance(default, int):
-        good, wrong = st.sampled_from([d for d in (1, 2, 4, 8) if n % d == 0]), BAD_INTS
-    elif isinstance(default, float):
-        good, wrong = FRACTIONS, [-1.0]
-    else:  # a string or a structured knob (alpa_like's mesh): its default
-        good, wrong = st.just(default), []
+        return good(n), wrong
+    if isinstance(default, bool):
+        return st.booleans(), [None, "yes"]
+    if isinstance(default, int):
+        return st.sampled_from([d for d in (1, 2, 4, 8) if n % d == 0]), BAD_INTS
+    if isinstance(default, float):
+        return FRACTIONS, [-1.0]
+    return st.just(default), []  # a string or a structured knob (alpa_like's mesh)
+
+
+def knob(param: inspect.Parameter, n: int, bad: bool):
+    """The strategy of one keyword of a space for ``n`` devices; with ``bad``, values no
+    space accepts as well."""
+    good, wrong = knob_values(param, n)
     return st.one_of(good, st.sampled_from(wrong)) if bad and wrong else good
 
 
@@ -135,3 +141,27 @@ def test_random_spaces_on_mlp_tiny(clock, data):
 @given(data=st.data())
 def test_random_spaces_on_gpt_tiny(clock, data):
     check_random_space("gpt-tiny", clock, data)
+
+
+@pytest.mark.parametrize("name", sorted(SPACES))
+def test_every_bad_knob_is_refused_by_name(name):
+    """Each registered space, one knob at a time at each value the random test may draw
+    as bad, on 1, 2 and 8 devices: the space builds a plan or raises a JscalerError that
+    says what is wrong, never a TypeError from deep inside (an interlaced(pp='2') did)."""
+    spec = models.get("mlp-tiny")
+    graph = jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+    refused = 0
+    for param in inspect.signature(SPACES[name]).parameters.values():
+        for value in knob_values(param, 8)[1]:
+            for n in (1, 2, 8):
+                try:
+                    SPACES[name](**{param.name: value})(graph, n)
+                except jscaler.JscalerError as e:
+                    assert str(e), f"{name}({param.name}={value!r}) on {n}: an empty message"
+                    refused += 1
+                except Exception as e:
+                    raise AssertionError(
+                        f"{name}({param.name}={value!r}) on {n} devices raised "
+                        f"{type(e).__name__}, not a JscalerError: {e}"
+                    ) from e
+    assert refused > 0, f"{name}: no bad value was refused"
