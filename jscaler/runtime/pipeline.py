@@ -121,7 +121,7 @@ class StageDriver:
         mb = self._split(batch)
         acts: dict = {}  # (tensor, microbatch, consumer stage) -> value on its mesh
         cots: dict = {}  # (tensor, microbatch, consumer stage) -> cotangent on producer mesh
-        res: dict = {}  # (stage, microbatch) -> residuals
+        res: dict = {}  # (stage, microbatch) -> (inputs held, residuals kept)
         saved: dict = {}  # (stage, microbatch) -> forward inputs of a recomputed block
         wcot: dict = {}  # (stage, microbatch) -> output cotangents kept for W
         grads: dict = {}  # stage index -> accumulated parameter gradients
@@ -178,23 +178,24 @@ class StageDriver:
                     send(st, j, *st.forward(*args))
                 else:
                     (out_acts, outs), r = st.forward_res(*args)
-                    keep(st, j, r)
+                    keep(st, j, (st.held(args), r))
                     send(st, j, out_acts, outs)
             elif b.kind == "R":
-                _, r = st.forward_res(*saved.pop((b.stage, j)))
-                keep(st, j, r)
+                args = saved.pop((b.stage, j))
+                _, r = st.forward_res(*args)
+                keep(st, j, (st.held(args), r))
             elif b.kind == "B":
                 cot = out_cot(st, j)
                 if self.schedule.split_backward:
-                    d_acts = st.backward_input(res[(b.stage, j)], cot)
+                    d_acts = st.backward_input(*res[(b.stage, j)], cot)
                     wcot[(b.stage, j)] = cot
                 else:
-                    d_params, d_acts = st.backward(res.pop((b.stage, j)), cot)
+                    d_params, d_acts = st.backward(*res.pop((b.stage, j)), cot)
                     alive[b.stage] -= 1
                     add_grads(st, d_params)
                 send_back(st, j, d_acts)
             else:  # W
-                d_params = st.backward_weight(res.pop((b.stage, j)), wcot.pop((b.stage, j)))
+                d_params = st.backward_weight(*res.pop((b.stage, j)), wcot.pop((b.stage, j)))
                 alive[b.stage] -= 1
                 add_grads(st, d_params)
         self.log = log

@@ -11,7 +11,8 @@ Programs (``jax.fwd_and_bwd`` keeps the forward's residuals for the backward):
 * ``forward``: outputs only (a forward pass that keeps nothing; the stash of a recomputed
   micro-batch);
 * ``forward_res``: outputs and residuals (F, or R for a recomputed micro-batch);
-* ``backward``: parameter and input cotangents from residuals and output cotangents (B);
+* ``backward``: parameter and input cotangents from the forward's inputs, its residuals
+  and output cotangents (B);
 * ``backward_input`` / ``backward_weight``: one half each (zero-bubble's B and W; XLA
   drops the other half's work).
 
@@ -103,21 +104,50 @@ class Stage:
 
     @cached_property
     def forward_res(self):
-        return jax.jit(self._fwd_bwd[0])
+        """``(p, a, f, s, b) -> (outputs, kept)``: the residuals the backward needs, less
+        those that are the program's own inputs (the weight ``x @ w`` keeps for ``dx``).
+        Returned from a program, such an input would be a copy per micro-batch in flight;
+        the caller holds them instead (:meth:`held`) and hands them to the backward."""
+        fwd = self._fwd_bwd[0]
+
+        def run(*args):
+            outs, vjp = fwd(*args)
+            leaves, tree = jax.tree.flatten(vjp)
+            given = {id(x): i for i, x in enumerate(jax.tree.leaves(args))}
+            taken = [given.get(id(x)) for x in leaves]
+            self._residuals = (tree, taken)  # set while tracing: the backward rebuilds
+            return outs, [x for x, i in zip(leaves, taken) if i is None]
+
+        return jax.jit(run)
+
+    def held(self, args) -> list:
+        """The forward's inputs among its residuals (after :attr:`forward_res` ran)."""
+        leaves = jax.tree.leaves(args)
+        return [leaves[i] for i in sorted({i for i in self._residuals[1] if i is not None})]
+
+    def _vjp(self, held, kept):
+        """The forward's residuals again, from :meth:`held` and what it kept."""
+        tree, taken = self._residuals
+        at = {i: k for k, i in enumerate(sorted({i for i in taken if i is not None}))}
+        kept = iter(kept)
+        return jax.tree.unflatten(tree, [next(kept) if i is None else held[at[i]] for i in taken])
 
     @cached_property
     def backward(self):
-        return jax.jit(self._fwd_bwd[1])
+        """``(held, kept, cot) -> (d_params, d_acts)``: ``held`` the forward's inputs it
+        needs (:meth:`held`), ``kept`` what :attr:`forward_res` returned with its outputs."""
+        bwd = self._fwd_bwd[1]
+        return jax.jit(lambda held, kept, cot: bwd(self._vjp(held, kept), cot))
 
     @cached_property
     def backward_input(self):
         bwd = self._fwd_bwd[1]
-        return jax.jit(lambda res, cot: bwd(res, cot)[1])
+        return jax.jit(lambda held, kept, cot: bwd(self._vjp(held, kept), cot)[1])
 
     @cached_property
     def backward_weight(self):
         bwd = self._fwd_bwd[1]
-        return jax.jit(lambda res, cot: bwd(res, cot)[0])
+        return jax.jit(lambda held, kept, cot: bwd(self._vjp(held, kept), cot)[0])
 
 
 def build_stages(
