@@ -29,8 +29,9 @@ programs and the update are compiled apart, so its row is put together from thei
 ``memory_analysis()`` on the stage that needs most: ``args`` the stage program's
 arguments (its parameter copies, one micro-batch) plus the update's donated arguments
 (the master parameters and optimizer state, split over every pipeline device);
-``temp`` the residuals of the micro-batches in flight (the schedule's most), the
-backward's outputs (the stage's gradients) and the larger program temp; ``comm``, on
+``temp`` the forward's outputs for the micro-batches in flight (the schedule's most),
+the backward's outputs (the stage's gradients; twice past one micro-batch, for the
+driver's sum of the earlier ones) and the larger program temp; ``comm``, on
 the stage that moves most, every collective of its programs times the micro-batches,
 plus the update's.
 """
@@ -171,9 +172,9 @@ def _pipeline_measured(trainer, batch) -> tuple[float, float, float, float]:
         fwd, bwd = found[(st.index, "forward_res")], found[(st.index, "backward")]
         f, b = fwd.memory_analysis(), bwd.memory_analysis()
         stored = f.argument_size_in_bytes + update.alias_size_in_bytes
-        working = (
+        working = (  # the driver's gradient sum beside the backward's output, m > 1
             flight[st.stage] * f.output_size_in_bytes
-            + b.output_size_in_bytes
+            + b.output_size_in_bytes * (2 if m > 1 else 1)
             + max(f.temp_size_in_bytes, b.temp_size_in_bytes)
         )
         axes = st.low.plan.mesh.axes

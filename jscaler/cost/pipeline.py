@@ -264,8 +264,8 @@ def _update_share(g, n: int) -> float:
 
 
 def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched) -> dict:
-    """A group's stages' memory per device: their parameter copies and gradients, batch
-    and kept activations (the update's master copy and optimizer state are not the
+    """A group's stages' memory per device: their parameter copies and gradients (see
+    below), batch and kept activations (the update's master copy and optimizer state are not the
     group's: :func:`_update_share`)."""
     sizes = gp.mesh.shape
 
@@ -276,7 +276,11 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched) -> 
     read = {x for o in mine for x in o.tensor_inputs}
     params = [t for t in low.update if t in read]
     p_bytes = sum(size(t, low.storage[t]) for t in params)
+    # a micro-batch's backward program holds its gradients unreduced and reduced, beside
+    # the driver's sum over the earlier micro-batches, with every residual in flight
+    reduced = sum(size(t, low.grad[t]) for t in params)
     grads = sum(size(t, unreduced_grad(low, t)) for t in params)
+    grads += reduced * (2 if sched.microbatches > 1 else 1)
     opt = 0.0
     batch = sum(
         size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch" and t in read
