@@ -247,3 +247,31 @@ def test_an_interlaced_plan_needs_the_interlaced_schedule():
 
     with pytest.raises(jscaler.ScheduleError, match="needs the interlaced schedule"):
         pipelined("gpt-tiny", interlaced(pp=2, tp=4), one_f_one_b, 4)
+
+
+def test_a_stage_forward_returns_no_copy_of_its_weights():
+    """The residuals that are a forward's own inputs (a matmul's weight, kept for the
+    input gradient) are held by the driver, not returned: returned from the program each
+    would be a copy per micro-batch in flight."""
+    trainer = pipelined("gpt-tiny", megatron(tp=2, pp=2), one_f_one_b, 2)
+    stage = trainer.program.driver.programs[0]
+    calls = []
+    forward_res = stage.forward_res
+
+    def recorded(*args):
+        calls.append((args, forward_res(*args)))
+        return calls[-1][1]
+
+    stage.forward_res = recorded  # shadows the cached program on this trainer only
+    trainer.step(models.get("gpt-tiny").batch(models.get("gpt-tiny").batch_size, 0))
+    (params, *_), (_, kept) = calls[0]
+    held = stage.held(calls[0][0])
+    weights = [w for w in params if w.ndim == 2]
+    assert any(h is w for h in held for w in weights), "no weight is handed to the backward"
+    copies = [
+        k.shape
+        for k in kept
+        for w in weights
+        if k.shape == w.shape and np.array_equal(np.asarray(k), np.asarray(w))
+    ]
+    assert not copies, f"the forward returned copies of weights shaped {copies}"
