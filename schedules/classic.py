@@ -14,7 +14,8 @@ from jscaler import Block, Schedule, ScheduleError, one_f_one_b
 __all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble"]
 
 
-def _args(p: int, m: int, name: str) -> None:
+def check_args(p: int, m: int, name: str) -> None:
+    """A schedule's stage and micro-batch counts: positive ints, or a ScheduleError."""
     for what, v in (("stages", p), ("microbatches", m)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ScheduleError(f"{name}: {what} must be a positive int, got {v!r}")
@@ -23,7 +24,7 @@ def _args(p: int, m: int, name: str) -> None:
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe: every stage runs all m forwards, then all m backwards. Holds m micro-batches'
     activations per stage."""
-    _args(p, m, "gpipe")
+    check_args(p, m, "gpipe")
     groups = [
         [Block(s, i, "F") for i in range(m)] + [Block(s, i, "B") for i in range(m)]
         for s in range(p)
@@ -35,7 +36,7 @@ def interleaved_1f1b(p: int, m: int, chunks: int = 2) -> Schedule:
     """Megatron's interleaved 1F1B: each group holds ``chunks`` virtual stages (stage s on
     group s mod p), micro-batches run in rounds of p, and the bubble shrinks by the number
     of chunks. Needs m divisible by p."""
-    _args(p, m, "interleaved_1f1b")
+    check_args(p, m, "interleaved_1f1b")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ScheduleError(f"interleaved_1f1b: chunks must be a positive int, got {chunks!r}")
     if m % p:
@@ -78,7 +79,7 @@ def zero_bubble(p: int, m: int) -> Schedule:
     activation memory (at most p - s micro-batches on stage s). Built by playing the
     stages in unit time: a free stage runs a ready B, else a ready F while under the
     memory cap, else its oldest pending W."""
-    _args(p, m, "zero_bubble")
+    check_args(p, m, "zero_bubble")
     cost = {"F": 1, "B": 1, "W": 1}
     order = [[] for _ in range(p)]
     end: dict[Block, int] = {}

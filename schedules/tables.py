@@ -11,7 +11,7 @@ rest of the timing to the list scheduler (the paper leaves it to its solver).
 from __future__ import annotations
 
 from jscaler import Block, Schedule, order_schedule
-from schedules.classic import _args
+from schedules.classic import check_args
 
 F, B = Block.F, Block.B
 
@@ -50,11 +50,11 @@ def rules_3f1b(p: int):
 
 def table4_1f1b(p: int, m: int) -> Schedule:
     """1F1B from table 4 (:func:`rules_1f1b`)."""
-    _args(p, m, "table4_1f1b")
+    check_args(p, m, "table4_1f1b")
     return order_schedule("table4_1f1b", p, m, rules_1f1b(p))
 
 
 def table7_3f1b(p: int, m: int) -> Schedule:
     """3F1B from table 7 (:func:`rules_3f1b`)."""
-    _args(p, m, "table7_3f1b")
+    check_args(p, m, "table7_3f1b")
     return order_schedule("table7_3f1b", p, m, rules_3f1b(p), passes=3)

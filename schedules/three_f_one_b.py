@@ -12,14 +12,14 @@ activations on stage 0 (1F1B's memory).
 from __future__ import annotations
 
 from jscaler import Block, Schedule
-from schedules.classic import _args
+from schedules.classic import check_args
 
 PASSES = 3
 
 
 def three_f_one_b(p: int, m: int) -> Schedule:
     """The 3F1B schedule for ``p`` stages and ``m`` micro-batches (PAPER_NOTES section 5)."""
-    _args(p, m, "three_f_one_b")
+    check_args(p, m, "three_f_one_b")
     groups = []
     for s in range(p):
         ofst = p - 1 - s

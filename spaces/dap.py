@@ -40,7 +40,7 @@ from jscaler.plan import (
     split_classes,
     split_ops,
 )
-from spaces.megatron import _infer_dp
+from spaces.megatron import infer_dp
 from spaces.zero import zero_over
 
 
@@ -114,7 +114,7 @@ class DAP:
     zero: int = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
-        dp = _infer_dp(n_devices, self.dap, 1, self.dp, "dap")
+        dp = infer_dp(n_devices, self.dap, 1, self.dp, "dap")
         mesh = MeshSpec.create(dp=dp, dap=self.dap)
         plan = Plan.create(graph, mesh, name=f"dap(dap={self.dap}, dp={dp})")
         classes = DimClasses.for_graph(plan.pgraph.graph)

@@ -51,7 +51,7 @@ WEIGHT_OPS = ("dot_general", "conv_general_dilated")
 _PARAM_VIEWS = ("convert_element_type", "copy", "identity", "transpose", "reshape")
 
 
-def _param_source(graph: jscaler.Graph, t: int) -> int | None:
+def param_source(graph: jscaler.Graph, t: int) -> int | None:
     """The parameter a tensor is (through dtype conversions and transposes), or None."""
     return graph.param_behind(t, _PARAM_VIEWS)
 
@@ -68,7 +68,7 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
             continue
         if op.primitive == "gather" and any(ann.kinds[d] == "+" for d in ann.dims):
             table = op.inputs[0]
-            if _param_source(graph, table) is not None:
+            if param_source(graph, table) is not None:
                 seeds.append((table, 0))
             continue
         if op.primitive not in WEIGHT_OPS:
@@ -76,7 +76,7 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
         if any(classes.dim_of(op, c) is not None for c in covered):
             continue  # this weight op closes (or lies inside) an earlier class
         for k, x in enumerate(op.tensor_inputs[:2]):
-            if _param_source(graph, x) is None or k == 0 and op.primitive != "dot_general":
+            if param_source(graph, x) is None or k == 0 and op.primitive != "dot_general":
                 continue
             out_dims = {ax[0] for ax in ann.outputs[0]}
             w_dims = ann.inputs[k]
@@ -178,7 +178,7 @@ class Megatron:
     regions: bool = False
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan | jscaler.PipelinePlan:
-        dp = _infer_dp(n_devices, self.tp, self.pp, self.dp, "megatron")
+        dp = infer_dp(n_devices, self.tp, self.pp, self.dp, "megatron")
         if self.pp > 1:
             return pipeline(graph, replace(self, pp=1, dp=dp), self.pp, n_devices)
         mesh = MeshSpec.create(dp=dp, tp=self.tp)
@@ -277,7 +277,7 @@ def _divisible_seeds(graph: jscaler.Graph, seeds, tp: int) -> list:
     return ok
 
 
-def _infer_dp(
+def infer_dp(
     n_devices: int, tp: int, pp: int, dp: int | None, space: str, degree: str = "tp"
 ) -> int:
     """dp from the device count; ``degree`` is what the space calls ``tp`` (a sequence

@@ -38,7 +38,7 @@ from jscaler.plan import (
     recompute_layers,
     split_classes,
 )
-from spaces.megatron import _infer_dp, _param_source, sequence_axes
+from spaces.megatron import infer_dp, param_source, sequence_axes
 from spaces.zero import zero_over
 
 
@@ -83,7 +83,7 @@ def _split_heads(plan, graph, classes, n, knob, activations) -> Plan:
 
     def choose(op, dim):
         if any(classes.dim_of(op, r) == dim for r in head_roots):
-            return not any(_param_source(graph, x) is not None for x in op.tensor_inputs)
+            return not any(param_source(graph, x) is not None for x in op.tensor_inputs)
         return activations(op, dim)
 
     return split_classes(plan, heads + sequence_axes(graph), n, classes=classes, choose=choose)
@@ -98,7 +98,7 @@ class Ulysses:
     zero: int = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
-        dp = _infer_dp(n_devices, self.sp, 1, self.dp, "ulysses", "sp")
+        dp = infer_dp(n_devices, self.sp, 1, self.dp, "ulysses", "sp")
         mesh = MeshSpec.create(dp=dp, sp=self.sp)
         plan = Plan.create(graph, mesh, name=f"ulysses(sp={self.sp}, dp={dp})")
         classes = DimClasses.for_graph(plan.pgraph.graph)
@@ -149,7 +149,7 @@ def ulysses(
 def _ring_plan(graph, n_devices, *, ring: int, uly: int, dp, space: str, name: str) -> Plan:
     """Sequence split over ``ring`` x ``uly`` (ring major), attentions as ring regions over
     ``ring`` and, when ``uly`` > 1, split by heads over ``uly`` (Ulysses inside)."""
-    dp = _infer_dp(n_devices, ring * uly, 1, dp, space, "sp" if uly == 1 else "ring*ulysses")
+    dp = infer_dp(n_devices, ring * uly, 1, dp, space, "sp" if uly == 1 else "ring*ulysses")
     axes = {"dp": dp, "ring": ring} | ({"uly": uly} if uly > 1 else {})
     plan = Plan.create(graph, MeshSpec.create(**axes), name=name.format(dp=dp))
     classes = DimClasses.for_graph(plan.pgraph.graph)
