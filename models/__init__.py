@@ -90,6 +90,10 @@ def _lazy(
     )
 
 
+MOE = "mixture-of-experts decoder: 2 layers, 4 experts, top-2"
+MOE_SMALL = "mixture-of-experts decoder for benchmarks: 4 layers, d_model 512, 8 experts, top-2"
+
+
 def _build() -> dict[str, ModelSpec]:
     conv_cfg, mlp_cfg, rec_cfg = convnet.tiny(), mlp.tiny(), recycler.tiny()
     specs = [
@@ -138,6 +142,32 @@ def _build() -> dict[str, ModelSpec]:
             config="bench",
         ),
         _lazy("t5", "t5-tiny", "T5", 8, "T5 encoder-decoder, relative buckets, tied embedding"),
+        _lazy("moe", "moe-tiny", "MoEDecoder", 8, MOE + ", capacity dispatch (tests)"),
+        _lazy(
+            "moe",
+            "moe-tiny-dropless",
+            "MoEDecoder",
+            8,
+            MOE + ", dropless ragged_dot dispatch (tests)",
+            config="tiny_dropless",
+        ),
+        _lazy("moe", "moe-small", "MoEDecoder", 16, MOE_SMALL + ", capacity", config="small"),
+        _lazy(
+            "moe",
+            "moe-small-dropless",
+            "MoEDecoder",
+            16,
+            MOE_SMALL + ", dropless",
+            config="small_dropless",
+        ),
+        _lazy(
+            "moe",
+            "mixtral-8x7b",
+            "MoEDecoder",
+            8,
+            "MoE decoder, Mixtral-8x7B shape: 32 layers, 8 experts, top-2 (cost model)",
+            config="mixtral_8x7b",
+        ),
         _lazy(
             "alphafold2",
             "alphafold2-tiny",
