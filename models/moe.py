@@ -14,11 +14,13 @@ Each MoE layer routes every token to ``top_k`` of ``n_experts`` SwiGLU experts:
 
 Two dispatch styles, both plain JAX:
 
-* ``"capacity"`` (GShard, Switch): each expert takes at most ``capacity = ceil(capacity_factor
-  * tokens * top_k / n_experts)`` tokens, filled in order of choice then position (every
-  token's first choice before any second choice); one-hot dispatch and combine tensors
-  ``[tokens, E, capacity]`` and einsums; a (token, choice) over capacity is dropped (its
-  gate contributes nothing).
+* ``"capacity"`` (GShard, Switch): the tokens are dispatched in groups, one sequence each
+  (GShard's groups, so a plan that splits the batch splits whole groups and drops the
+  same tokens as one device); in each group an expert takes at most ``capacity =
+  ceil(capacity_factor * seq_len * top_k / n_experts)`` tokens, filled in order of choice
+  then position (every token's first choice before any second choice); one-hot dispatch
+  and combine tensors ``[groups, tokens, E, capacity]`` and einsums; a (token, choice)
+  over capacity is dropped (its gate contributes nothing).
 * ``"dropless"`` (MegaBlocks, MaxText's ``ragged_dot``): the (token, choice) pairs sorted
   by expert, every expert's rows multiplied by its weights with ``jax.lax.ragged_dot``, and
   the results put back in token order; nothing is dropped.
@@ -70,7 +72,7 @@ class MoEConfig:
         normalize: Rescale a token's top-k gates to sum to 1.
         shared_expert: Add a dense SwiGLU MLP every token goes through.
         dispatch: ``"capacity"`` or ``"dropless"`` (see the module doc).
-        capacity_factor: Capacity over the even share ``tokens * top_k / n_experts``.
+        capacity_factor: Capacity over a group's even share ``seq_len * top_k / n_experts``.
         aux_loss_coef: Weight of the load-balancing loss in the model's loss.
     """
 
@@ -129,7 +131,7 @@ class MoEConfig:
         )
 
     def capacity(self, tokens: int) -> int:
-        """Tokens one expert takes at most under capacity dispatch."""
+        """Tokens one expert takes at most from a group of ``tokens`` (capacity dispatch)."""
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts))
 
     def replace(self, **changes: Any) -> MoEConfig:
@@ -227,27 +229,30 @@ class MoE(nnx.Module):
         return gates, experts, aux
 
     def expert_mlp(self, h: jax.Array) -> jax.Array:
-        """The experts on dispatched tokens ``h [E, capacity, d]``."""
-        g = jnp.einsum("ecd,edf->ecf", h, self.w_gate[...].astype(h.dtype))
-        u = jnp.einsum("ecd,edf->ecf", h, self.w_up[...].astype(h.dtype))
-        return jnp.einsum("ecf,efd->ecd", jax.nn.silu(g) * u, self.w_down[...].astype(h.dtype))
+        """The experts on dispatched tokens ``h [E, groups, capacity, d]``."""
+        dt = h.dtype
+        g = jnp.einsum("egcd,edf->egcf", h, self.w_gate[...].astype(dt))
+        u = jnp.einsum("egcd,edf->egcf", h, self.w_up[...].astype(dt))
+        return jnp.einsum("egcf,efd->egcd", jax.nn.silu(g) * u, self.w_down[...].astype(dt))
 
     def capacity_dispatch(self, x, gates, experts) -> jax.Array:
-        """Fixed-capacity dispatch: one-hot ``[tokens, E, capacity]`` einsums."""
+        """Fixed-capacity dispatch of ``x [groups, tokens, d]`` (a group: one sequence):
+        one-hot ``[groups, tokens, E, capacity]`` einsums, capacity per group."""
         cfg = self.cfg
-        tokens = x.shape[0]
+        groups, tokens, _ = x.shape
         cap = cfg.capacity(tokens)
         # choice-major: every token's first choice is placed before any second choice
-        onehot = jax.nn.one_hot(experts.T, cfg.n_experts, dtype=jnp.int32)  # [k, T, E]
-        flat = onehot.reshape(cfg.top_k * tokens, cfg.n_experts)
-        position = (jnp.cumsum(flat, axis=0) - 1).reshape(onehot.shape)  # slot in its expert
+        onehot = jax.nn.one_hot(jnp.moveaxis(experts, -1, 1), cfg.n_experts, dtype=jnp.int32)
+        flat = onehot.reshape(groups, cfg.top_k * tokens, cfg.n_experts)  # [G, k*S, E]
+        position = (jnp.cumsum(flat, axis=1) - 1).reshape(onehot.shape)  # [G, k, S, E]
         kept = onehot * (position < cap)
-        slots = jax.nn.one_hot(jnp.sum(position * kept, axis=-1), cap, dtype=x.dtype)  # [k,T,C]
-        dispatch = kept.astype(x.dtype)[..., None] * slots[:, :, None, :]  # [k, T, E, C]
-        combine = jnp.sum(dispatch * gates.T.astype(x.dtype)[:, :, None, None], axis=0)
-        dispatch = jnp.sum(dispatch, axis=0)  # [T, E, C]
-        expert_out = self.expert_mlp(jnp.einsum("tec,td->ecd", dispatch, x))
-        return jnp.einsum("tec,ecd->td", combine, expert_out)
+        slots = jax.nn.one_hot(jnp.sum(position * kept, axis=-1), cap, dtype=x.dtype)
+        dispatch = kept.astype(x.dtype)[..., None] * slots[..., None, :]  # [G, k, S, E, C]
+        weights = jnp.moveaxis(gates, -1, 1).astype(x.dtype)[..., None, None]
+        combine = jnp.sum(dispatch * weights, axis=1)  # [G, S, E, C]
+        dispatch = jnp.sum(dispatch, axis=1)
+        expert_out = self.expert_mlp(jnp.einsum("gsec,gsd->egcd", dispatch, x))
+        return jnp.einsum("gsec,egcd->gsd", combine, expert_out)
 
     def dropless_dispatch(self, x, gates, experts) -> jax.Array:
         """Dropless dispatch: (token, choice) rows sorted by expert and ``ragged_dot``."""
@@ -269,10 +274,10 @@ class MoE(nnx.Module):
         flat = x.reshape(b * s, d)
         gates, experts, aux = self.route(flat)
         if self.cfg.dispatch == "capacity":
-            y = self.capacity_dispatch(flat, gates, experts)
+            k = self.cfg.top_k
+            y = self.capacity_dispatch(x, gates.reshape(b, s, k), experts.reshape(b, s, k))
         else:
-            y = self.dropless_dispatch(flat, gates, experts)
-        y = y.reshape(b, s, d)
+            y = self.dropless_dispatch(flat, gates, experts).reshape(b, s, d)
         if self.shared is not None:
             y = y + self.shared(x)
         return y, aux

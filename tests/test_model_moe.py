@@ -51,8 +51,9 @@ def reference_capacity(x, gates, experts, n_experts: int, capacity: int, mlp):
 def test_capacity_dispatch_drops_exactly_the_pairs_over_capacity(capacity_factor):
     cfg = moe.tiny(capacity_factor=capacity_factor)
     layer = moe.MoE(cfg, rngs=nnx.Rngs(1))
-    x = jax.random.normal(jax.random.key(0), (48, cfg.d_model))
-    gates, experts, _ = layer.route(x)
+    x = jax.random.normal(jax.random.key(0), (3, 24, cfg.d_model))  # 3 groups of 24 tokens
+    gates, experts, _ = layer.route(x.reshape(72, -1))
+    gates, experts = gates.reshape(3, 24, 2), experts.reshape(3, 24, 2)
     got = np.asarray(layer.capacity_dispatch(x, gates, experts))
     wg, wu, wd = (np.asarray(w[...]) for w in (layer.w_gate, layer.w_up, layer.w_down))
 
@@ -60,10 +61,17 @@ def test_capacity_dispatch_drops_exactly_the_pairs_over_capacity(capacity_factor
         g, u = v @ wg[e], v @ wu[e]
         return (g / (1 + np.exp(-g)) * u) @ wd[e]
 
-    cap = cfg.capacity(48)
-    want = reference_capacity(np.asarray(x), np.asarray(gates), np.asarray(experts), 4, cap, mlp)
-    dropped = int(np.sum(np.all(want == 0, axis=-1)))
+    cap = cfg.capacity(24)
+    want = np.stack(
+        [
+            reference_capacity(
+                np.asarray(x[i]), np.asarray(gates[i]), np.asarray(experts[i]), 4, cap, mlp
+            )
+            for i in range(3)
+        ]
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    dropped = int(np.sum(np.all(want == 0, axis=-1)))
     if capacity_factor < 1:
         assert dropped > 0, "a capacity under the even share must drop some token"
 
