@@ -10,6 +10,7 @@ from spaces.baselines import alpa_like, deepspeed, megatron_3d
 from spaces.coshard import coshard
 from spaces.dap import dap
 from spaces.dp import dp
+from spaces.expert import expert
 from spaces.interlaced import interlaced
 from spaces.megatron import megatron
 from spaces.sequence import ring, ulysses, usp
@@ -22,6 +23,7 @@ SPACES = {
     "dap": dap,
     "deepspeed": deepspeed,
     "dp": dp,
+    "expert": expert,
     "interlaced": interlaced,
     "megatron": megatron,
     "megatron_3d": megatron_3d,
@@ -44,6 +46,7 @@ __all__ = [
     "dap",
     "deepspeed",
     "dp",
+    "expert",
     "interlaced",
     "megatron",
     "megatron_3d",

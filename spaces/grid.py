@@ -62,6 +62,8 @@ def knob_settings(name: str, n: int) -> list[dict]:
         out = [{"dap": k} for k in TP[1:] if _divides(n, k)]
     elif name in ("ulysses", "ring"):
         out = [{"sp": k} for k in TP[1:] if _divides(n, k)]
+    elif name == "expert":
+        out = [{"ep": k} for k in TP[1:] if _divides(n, k)]
     elif name == "alpa_like":
         out = [{"pp": pp} for pp in PP if _divides(n, pp)]
     else:

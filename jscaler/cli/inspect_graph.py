@@ -60,6 +60,7 @@ def _inspect(args) -> int:
         out = {
             "model": spec.name,
             "coverage": {"ops": cov.ops, "flops": cov.flops},
+            "experts": _experts(graph),
             "ops": [op_record(graph, o) for o in shown.ops],
         }
         print(json.dumps(out, indent=1))
@@ -69,4 +70,17 @@ def _inspect(args) -> int:
         print(graph_table(shown))
         print()
     print(graph_summary(graph))
+    experts = _experts(graph)
+    if experts:
+        print(f"experts (for expert(ep=...)): {experts}")
     return 0
+
+
+def _experts(graph) -> str:
+    """The stacked expert weights the ``expert`` space finds, one per name."""
+    from spaces.expert import expert_axes
+
+    found = expert_axes(graph)
+    return ", ".join(
+        f"{graph.tensors[t].name} {list(graph.tensors[t].shape)} axis {axis}" for t, axis in found
+    )
