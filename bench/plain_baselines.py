@@ -11,6 +11,9 @@ The four layouts of ``jscaler bench plain``:
 * ``Megatron rules tp=8``: the model's name rules (mesh tp=8), others replicated.
 * ``fsdp x tp rules``: mesh dp=2 x tp=4, the name rules over ``tp`` plus each
   parameter's largest other axis over ``dp``.
+* ``expert rules``: mesh dp=2 x ep=4 (the mesh's second axis), a mixture-of-experts
+  model's stacked expert weights split along the experts by name rules, the batch over
+  both axes (``jscaler bench moe``).
 """
 
 from __future__ import annotations
@@ -133,7 +136,22 @@ def plain_fsdp_tp(params, loss_fn, optimizer, batch, n: int, rules=()) -> Params
     )  # fmt: skip
 
 
-BASELINES = {"dp": plain_dp, "fsdp": plain_fsdp, "tp": plain_tp, "fsdp_tp": plain_fsdp_tp}
+def plain_ep(params, loss_fn, optimizer, batch, n: int, rules=(), ep: int = 4) -> ParamsStep:
+    """Experts by name rules over the mesh's second axis (the expert axis, ``ep`` of the
+    ``n`` devices), the batch over both axes, GSPMD propagating the rest."""
+    return ParamsStep(
+        params, loss_fn, optimizer, batch, mesh(n // ep, ep),
+        lambda path, x: P(*_rule(rules, path, x, ep)), batch_spec=P(("dp", "tp")),
+    )  # fmt: skip
+
+
+BASELINES = {
+    "dp": plain_dp,
+    "fsdp": plain_fsdp,
+    "tp": plain_tp,
+    "fsdp_tp": plain_fsdp_tp,
+    "ep": plain_ep,
+}
 
 
 def label(kind: str, n: int) -> str:
@@ -143,4 +161,5 @@ def label(kind: str, n: int) -> str:
         "fsdp": "plain fsdp",
         "tp": f"plain Megatron rules tp={n}",
         "fsdp_tp": f"plain fsdp x tp rules (dp=2, tp={n // 2})",
+        "ep": f"plain expert rules (dp={n // 4}, ep=4)",
     }[kind]

@@ -307,7 +307,7 @@ def hf_bert(size: Size) -> BenchModel:
 # ---- registered nnx models -------------------------------------------------------------------
 
 
-def _nnx_plain(make, loss):
+def nnx_plain(make, loss):
     """The Params of an nnx model as a pytree, and the loss over them."""
     from flax import nnx
 
@@ -338,7 +338,7 @@ def registered_gpt(small: bool) -> BenchModel:
         f"registered {spec.name} (nnx): {spec.description}, batch {spec.batch_size}",
         make,
         spec.loss,
-        _nnx_plain(make, spec.loss),
+        nnx_plain(make, spec.loss),
         spec.batch(spec.batch_size, 0),
         GPT_RULES,
     )
@@ -365,7 +365,7 @@ def registered_swin(small: bool) -> BenchModel:
         f"registered swin-tiny (nnx): {spec.description}, batch {size}",
         make,
         spec.loss,
-        _nnx_plain(make, spec.loss),
+        nnx_plain(make, spec.loss),
         spec.batch(size, 0),
         SWIN_RULES,
     )

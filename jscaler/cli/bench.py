@@ -45,11 +45,25 @@ def register(sub) -> None:
         "Megatron name rules, megatron(tp=4, dp=2, zero=3) / fsdp x tp rules, auto / the "
         "fastest plain row): per-device memory, collective bytes by kind, interleaved step "
         "times, the loss after 3 AdamW steps on both, the cost model's predictions, the "
-        "ratios and the issue's targets met or missed.",
+        "ratios and the issue's targets met or missed. 'moe': the same measurement for "
+        "moe-small (--small: moe-tiny): dp() against plain dp, expert(ep=4), expert(ep=2) "
+        "and expert(ep=4, tp=2) against plain JAX with the experts split by name rules over "
+        "an expert axis (dp=2 x ep=4), and the target: the best expert plan's collective "
+        "bytes <= 0.8x the plain rules' at no more memory.",
     )
     be.add_argument(
         "which",
-        choices=["spmd", "plain", "pipeline", "coshard", "cost", "order", "calibrate", "paper"],
+        choices=[
+            "spmd",
+            "plain",
+            "pipeline",
+            "coshard",
+            "cost",
+            "order",
+            "calibrate",
+            "paper",
+            "moe",
+        ],  # fmt: skip
         help="the benchmark",
     )
     be.add_argument(
@@ -65,7 +79,9 @@ def register(sub) -> None:
         help="timed steps per plan (default 3; plain: 5)",
     )
     be.add_argument(
-        "--small", action="store_true", help="plain: tiny configs of the models (a quick run)"
+        "--small",
+        action="store_true",
+        help="plain, moe: tiny configs of the models (a quick run)",
     )
     be.add_argument("--pp", type=positive_int, default=4, help="pipeline: stages (default 4)")
     be.add_argument(
@@ -87,14 +103,14 @@ def register(sub) -> None:
 
 def _bench(args) -> int:
     if args.steps is None:
-        args.steps = 5 if args.which == "plain" else 3
+        args.steps = 5 if args.which in ("plain", "moe") else 3
     if args.which == "pipeline":
         return _bench_pipeline(args)
     if args.which == "coshard":
         return _bench_coshard(args)
     if args.which == "cost":
         return _bench_cost(args)
-    if args.which in ("calibrate", "order", "paper", "plain"):
+    if args.which in ("calibrate", "order", "paper", "plain", "moe"):
         import importlib
 
         return importlib.import_module(f"bench.{args.which}").main(args)
