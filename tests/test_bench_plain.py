@@ -88,3 +88,21 @@ def test_models_build_with_matching_parameters(name):
     bm = BUILDERS[name](True)
     params, loss = bm.plain()
     assert float(loss(params, bm.batch)) == pytest.approx(float(bm.loss(bm.make(), bm.batch)))
+
+
+def test_bench_moe_pairs_expert_plans_with_plain_expert_rules():
+    """``bench moe --small``: the expert plan and the plain expert rules train the same
+    losses; the expert plan's all-to-alls move fewer bytes than GSPMD's gathers of the
+    expert weights, and the target line names the best pair."""
+    from bench import moe
+
+    bm, measured = moe.run(small=True, steps=1)
+    ep = [p for p in measured if p.key == "ep"]
+    assert ep and all(p.jscaler.error is None and p.plain.error is None for p in ep)
+    for pair in measured:
+        assert pair.loss_rel is not None and pair.loss_rel <= plain.LOSS_RTOL
+    best = min(ep, key=lambda p: p.ratio("comm"))
+    assert best.jscaler.comm.get("all-to-all", (0, 0))[1] > 0
+    assert best.ratio("comm") < 1.0
+    line = moe.target_lines(measured)[-1]
+    assert any(p.jscaler.name.removeprefix("jscaler ") in line for p in ep), line
