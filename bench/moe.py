@@ -18,7 +18,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from bench.plain import measure_pair, table
-from bench.plain_models import BenchModel, nnx_plain
+from bench.plain_models import BenchModel, registered
 from bench.table import columns
 
 EXPERT_RULES = [(r"moe/w_(gate|up|down)$", P("tp"))]  # the plain mesh's second axis: ep
@@ -26,19 +26,8 @@ COMM_BOUND, MEMORY_BOUND = 0.8, 1.0
 
 
 def moe_model(small: bool) -> BenchModel:
-    import models
-
-    spec = models.get("moe-tiny" if small else "moe-small")
-    make = lambda: spec.init(0)  # noqa: E731
-    return BenchModel(
-        spec.name,
-        f"registered {spec.name} (nnx): {spec.description}, batch {spec.batch_size}",
-        make,
-        spec.loss,
-        nnx_plain(make, spec.loss),
-        spec.batch(spec.batch_size, 0),
-        EXPERT_RULES,
-    )
+    name = "moe-tiny" if small else "moe-small"
+    return registered(name, name, EXPERT_RULES)
 
 
 def pairs(n: int):

@@ -328,20 +328,27 @@ GPT_RULES = [
 ]
 
 
-def registered_gpt(small: bool) -> BenchModel:
+def registered(model: str, name: str, rules, batch_size: int | None = None) -> BenchModel:
+    """The registered nnx model ``model`` as bench model ``name`` with Megatron ``rules``
+    (``batch_size``: default the registry's)."""
     import models
 
-    spec = models.get("gpt-tiny" if small else "gpt-small")
+    spec = models.get(model)
+    size = batch_size or spec.batch_size
     make = lambda: spec.init(0)  # noqa: E731
     return BenchModel(
-        "gpt-small",
-        f"registered {spec.name} (nnx): {spec.description}, batch {spec.batch_size}",
+        name,
+        f"registered {spec.name} (nnx): {spec.description}, batch {size}",
         make,
         spec.loss,
         nnx_plain(make, spec.loss),
-        spec.batch(spec.batch_size, 0),
-        GPT_RULES,
+        spec.batch(size, 0),
+        rules,
     )
+
+
+def registered_gpt(small: bool) -> BenchModel:
+    return registered("gpt-tiny" if small else "gpt-small", "gpt-small", GPT_RULES)
 
 
 SWIN_RULES = [
@@ -355,20 +362,7 @@ SWIN_RULES = [
 
 
 def registered_swin(small: bool) -> BenchModel:
-    import models
-
-    spec = models.get("swin-tiny")
-    make = lambda: spec.init(0)  # noqa: E731
-    size = 8 if small else 32
-    return BenchModel(
-        "swin",
-        f"registered swin-tiny (nnx): {spec.description}, batch {size}",
-        make,
-        spec.loss,
-        nnx_plain(make, spec.loss),
-        spec.batch(size, 0),
-        SWIN_RULES,
-    )
+    return registered("swin-tiny", "swin", SWIN_RULES, 8 if small else 32)
 
 
 BUILDERS = {
