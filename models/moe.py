@@ -150,7 +150,7 @@ def tiny_dropless() -> MoEConfig:
 
 
 def small(**changes: Any) -> MoEConfig:
-    """A benchmark-sized model (~43M parameters, ~17M active): 4 layers, 8 experts, top-2."""
+    """A benchmark-sized model (~47M parameters, ~21M active): 4 layers, 8 experts, top-2."""
     cfg = MoEConfig(
         vocab_size=8192, d_model=512, n_layers=4, n_heads=8, d_ff=704, seq_len=256, n_experts=8
     )
