@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import jscaler
 from schedules.three_f_one_b import three_f_one_b
 from spaces.dap import dap
+from spaces.knobs import check_int
 from spaces.megatron import megatron, pipeline
 
 
@@ -33,18 +34,14 @@ class AlphaFold3F1B:
     recompute: float = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> jscaler.PipelinePlan:
-        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 2:
-            raise jscaler.PlanError(
-                f"alphafold_3f1b: pp must be an int >= 2 (a pipeline), got {self.pp!r}"
-            )
+        check_int("alphafold_3f1b", "pp", self.pp, least=2, why=" (a pipeline)")
         if n_devices % self.pp:
             raise jscaler.PlanError(
                 f"alphafold_3f1b(pp={self.pp}) needs a device count divisible by pp; "
                 f"got {n_devices}"
             )
-        for name, v in (("tp", self.tp), ("dap", self.dap)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise jscaler.PlanError(f"alphafold_3f1b: {name} must be a positive int, got {v!r}")
+        check_int("alphafold_3f1b", "tp", self.tp)
+        check_int("alphafold_3f1b", "dap", self.dap)
         if self.dap > 1 and self.tp > 1:
             raise jscaler.PlanError(
                 f"alphafold_3f1b: tp={self.tp} and dap={self.dap} both split inside a stage; "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import jscaler
 from jscaler.search import slice_stages
+from spaces.knobs import check_int
 from spaces.megatron import megatron, pipeline
 
 
@@ -54,14 +55,11 @@ class AlpaLike:
             raise jscaler.PlanError(
                 f"alpa_like: slicing must be 'even' or 'dp', got {self.slicing!r}"
             )
-        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
-            raise jscaler.PlanError(f"alpa_like: pp must be a positive int, got {self.pp!r}")
-        slots = self.optimizer_slots
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
-            raise jscaler.PlanError(
-                f"alpa_like: optimizer_slots must be an int >= 0 (fp32 values of optimizer "
-                f"state per parameter: 2 for Adam), got {slots!r}"
-            )
+        check_int("alpa_like", "pp", self.pp)
+        check_int(
+            "alpa_like", "optimizer_slots", self.optimizer_slots, least=0,
+            why=" (fp32 values of optimizer state per parameter: 2 for Adam)",
+        )  # fmt: skip
         if n_devices % self.pp:
             raise jscaler.PlanError(
                 f"alpa_like(pp={self.pp}) needs a device count divisible by pp; got {n_devices}"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import jscaler
 from jscaler.plan import DimClasses, Plan, op_trans, recompute_layers
+from spaces.knobs import check_int
 from spaces.megatron import Megatron, pipeline, tp_regions, tp_seeds
 
 
@@ -37,10 +38,8 @@ class Coshard:
     precision: str = "fp32"
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan | jscaler.PipelinePlan:
-        for name in ("colocate", "pp"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise jscaler.PlanError(f"coshard: {name} must be a positive int, got {v!r}")
+        check_int("coshard", "colocate", self.colocate)
+        check_int("coshard", "pp", self.pp)
         if self.pp > 1:
             if n_devices % self.pp:
                 raise jscaler.PlanError(
@@ -79,8 +78,7 @@ def _chosen_ops(graph: jscaler.Graph, layers: int | None) -> set[int] | None:
         ]
         picked = [lay for lay, p in zip(found, peak) if p > max(peak) / 2]
     else:
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise jscaler.PlanError(f"coshard: layers must be a positive int, got {layers!r}")
+        check_int("coshard", "layers", layers)
         picked = found[:layers]
     return {o.id for lay in picked for o in lay.graph.ops}
 

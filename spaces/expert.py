@@ -34,6 +34,7 @@ from jscaler.plan import (
     recompute_layers,
     split_classes,
 )
+from spaces.knobs import check_int
 from spaces.megatron import infer_dp, param_source, pipeline, sequence_axes, tp_seeds
 from spaces.zero import zero_over
 
@@ -75,9 +76,8 @@ class Expert:
     experts: str | None = None
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan | jscaler.PipelinePlan:
-        for knob, v in (("ep", self.ep), ("tp", self.tp)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise jscaler.PlanError(f"expert: {knob} must be a positive int, got {v!r}")
+        check_int("expert", "ep", self.ep)
+        check_int("expert", "tp", self.tp)
         if self.experts is not None and not isinstance(self.experts, str):
             raise jscaler.PlanError(
                 f"expert: experts must be a glob of parameter names, got {self.experts!r}"

@@ -19,6 +19,7 @@ import jscaler
 from jscaler.plan import DimClasses, MeshSpec, Plan, assign_mesh, split_classes
 from schedules.interlaced import interlaced as interlaced_schedule
 from schedules.interlaced import interlaced_head
+from spaces.knobs import check_int
 from spaces.megatron import megatron, tp_seeds
 
 
@@ -32,8 +33,7 @@ class Interlaced:
     recompute: float = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> jscaler.PipelinePlan:
-        if isinstance(self.pp, bool) or not isinstance(self.pp, int) or self.pp < 1:
-            raise jscaler.PlanError(f"interlaced: pp must be a positive int, got {self.pp!r}")
+        check_int("interlaced", "pp", self.pp)
         if n_devices % self.pp:
             raise jscaler.PlanError(
                 f"interlaced(pp={self.pp}) needs a device count divisible by pp; got {n_devices}"

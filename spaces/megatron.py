@@ -40,6 +40,7 @@ from jscaler.plan import (
     recompute_layers,
     split_classes,
 )
+from spaces.knobs import check_int
 from spaces.zero import zero_over
 
 WEIGHT_OPS = ("dot_general", "conv_general_dilated")
@@ -282,9 +283,8 @@ def infer_dp(
 ) -> int:
     """dp from the device count; ``degree`` is what the space calls ``tp`` (a sequence
     space's ``sp``, USP's ``ring*ulysses``), for its messages."""
-    for name, v in ((degree, tp), ("pp", pp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise jscaler.PlanError(f"{space}: {name} must be a positive int, got {v!r}")
+    check_int(space, degree, tp)
+    check_int(space, "pp", pp)
     if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
         raise jscaler.PlanError(
             f"{space}: dp must be a positive int, or left out to infer it; got {dp!r}"
