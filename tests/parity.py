@@ -95,3 +95,15 @@ def assert_matches_reference(model, loss_fn, batches, plan, *, devices=8, lr=LR,
     mm = compare(got, want)
     assert mm.ok, "\n".join(mm.lines[:10])
     return trainer
+
+
+def accumulated(loss, m: int):
+    """The loss of gradient accumulation over ``m`` micro-batches, rows j, j+m, ... in
+    micro-batch j as the runtime splits them: a load-balancing loss (and capacity) is per
+    micro-batch, so a pipeline equals this, not the whole batch's step."""
+
+    def mean_loss(model, batch):
+        parts = [loss(model, jax.tree.map(lambda x, j=j: x[j::m], batch)) for j in range(m)]
+        return sum(parts) / m
+
+    return mean_loss

@@ -12,7 +12,6 @@ from __future__ import annotations
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_model_moe import accumulated
 
 import jscaler
 import models
@@ -22,7 +21,7 @@ from schedules import one_f_one_b
 from spaces import expert
 from spaces.expert import expert_axes
 
-from parity import LR, assert_parity, batches, leaves, run_plan
+from parity import LR, accumulated, assert_parity, batches, leaves, run_plan
 
 NAME = "moe-tiny"
 PLANS = {

@@ -22,7 +22,7 @@ from models import moe
 from schedules import one_f_one_b
 from spaces import dp, megatron, zero
 
-from parity import LR, assert_parity, batches, run_plan
+from parity import LR, accumulated, assert_parity, batches, run_plan
 
 STYLES = ["moe-tiny", "moe-tiny-dropless"]
 
@@ -140,18 +140,6 @@ PLANS = {
 @pytest.mark.parametrize("name", STYLES)
 def test_plan_matches_one_device(name, plan):
     assert_parity(name, PLANS[plan])
-
-
-def accumulated(loss, m: int):
-    """The loss of gradient accumulation over ``m`` micro-batches, rows j, j+m, ... in
-    micro-batch j as the runtime splits them: a load-balancing loss (and capacity) is per
-    micro-batch, so a pipeline equals this, not the whole batch's step."""
-
-    def mean_loss(model, batch):
-        parts = [loss(model, jax.tree.map(lambda x, j=j: x[j::m], batch)) for j in range(m)]
-        return sum(parts) / m
-
-    return mean_loss
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ def register(sub) -> None:
             "calibrate",
             "paper",
             "moe",
-        ],  # fmt: skip
+        ],
         help="the benchmark",
     )
     be.add_argument(

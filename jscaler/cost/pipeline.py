@@ -265,8 +265,8 @@ def _update_share(g, n: int) -> float:
 
 def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched) -> dict:
     """A group's stages' memory per device: their parameter copies and gradients (see
-    below), batch and kept activations (the update's master copy and optimizer state are not the
-    group's: :func:`_update_share`)."""
+    below), batch and kept activations (the update's master copy and optimizer state are
+    not the group's: :func:`_update_share`)."""
     sizes = gp.mesh.shape
 
     def size(t, layout):

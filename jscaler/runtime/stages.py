@@ -114,8 +114,10 @@ class Stage:
             outs, vjp = fwd(*args)
             leaves, tree = jax.tree.flatten(vjp)
             given = {id(x): i for i, x in enumerate(jax.tree.leaves(args))}
-            taken = [given.get(id(x)) for x in leaves]
-            self._residuals = (tree, taken)  # set while tracing: the backward rebuilds
+            taken = [given.get(id(x)) for x in leaves]  # input index, or None: kept
+            inputs = sorted({i for i in taken if i is not None})
+            slots = [None if i is None else inputs.index(i) for i in taken]
+            self._residuals = (tree, slots, inputs)  # set while tracing: the backward rebuilds
             return outs, [x for x, i in zip(leaves, taken) if i is None]
 
         return jax.jit(run)
@@ -123,14 +125,13 @@ class Stage:
     def held(self, args) -> list:
         """The forward's inputs among its residuals (after :attr:`forward_res` ran)."""
         leaves = jax.tree.leaves(args)
-        return [leaves[i] for i in sorted({i for i in self._residuals[1] if i is not None})]
+        return [leaves[i] for i in self._residuals[2]]
 
     def _vjp(self, held, kept):
         """The forward's residuals again, from :meth:`held` and what it kept."""
-        tree, taken = self._residuals
-        at = {i: k for k, i in enumerate(sorted({i for i in taken if i is not None}))}
+        tree, slots, _ = self._residuals
         kept = iter(kept)
-        return jax.tree.unflatten(tree, [next(kept) if i is None else held[at[i]] for i in taken])
+        return jax.tree.unflatten(tree, [next(kept) if k is None else held[k] for k in slots])
 
     @cached_property
     def backward(self):
