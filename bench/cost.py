@@ -30,8 +30,8 @@ programs and the update are compiled apart, so its row is put together from thei
 arguments (its parameter copies, one micro-batch) plus the update's donated arguments
 (the master parameters and optimizer state, split over every pipeline device);
 ``temp`` the forward's outputs for the micro-batches in flight (the schedule's most),
-the backward's outputs (the stage's gradients; twice past one micro-batch, for the
-driver's sum of the earlier ones) and the larger program temp; ``comm``, on
+the accumulating backward's outputs (the stage's gradient sum, which it takes donated,
+and its input cotangents) and the larger program temp; ``comm``, on
 the stage that moves most, every collective of its programs times the micro-batches,
 plus the update's.
 """
@@ -146,8 +146,11 @@ def _pipeline_measured(trainer, batch) -> tuple[float, float, float, float]:
 
     def recorder(key, fn):
         def call(*args):
-            if key not in found:
-                found[key] = fn.lower(*args).compile()
+            # the backward's first micro-batch has no accumulator (args[0] None) and later
+            # ones add into it: two programs
+            k = (*key, args[0] is None) if key[-1] == "backward" else key
+            if k not in found:
+                found[k] = fn.lower(*args).compile()
             return fn(*args)
 
         return call
@@ -169,12 +172,13 @@ def _pipeline_measured(trainer, batch) -> tuple[float, float, float, float]:
     flight = driver.log.in_flight
     rows = []
     for st in driver.stages:
-        fwd, bwd = found[(st.index, "forward_res")], found[(st.index, "backward")]
+        fwd = found[(st.index, "forward_res")]
+        bwd = found[(st.index, "backward", m == 1)]  # past one micro-batch, the accumulating one
         f, b = fwd.memory_analysis(), bwd.memory_analysis()
         stored = f.argument_size_in_bytes + update.alias_size_in_bytes
-        working = (  # the driver's gradient sum beside the backward's output, m > 1
+        working = (  # the backward's outputs hold the gradient sum (donated in, m > 1)
             flight[st.stage] * f.output_size_in_bytes
-            + b.output_size_in_bytes * (2 if m > 1 else 1)
+            + b.output_size_in_bytes
             + max(f.temp_size_in_bytes, b.temp_size_in_bytes)
         )
         axes = st.low.plan.mesh.axes

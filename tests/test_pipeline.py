@@ -275,3 +275,29 @@ def test_a_stage_forward_returns_no_copy_of_its_weights():
         if k.shape == w.shape and np.array_equal(np.asarray(k), np.asarray(w))
     ]
     assert not copies, f"the forward returned copies of weights shaped {copies}"
+
+
+@pytest.mark.parametrize("schedule", [one_f_one_b, zero_bubble], ids=["1f1b", "zero-bubble"])
+def test_a_stage_backward_adds_into_its_donated_gradient_sum(schedule):
+    """Past the first micro-batch, a stage's backward (zero-bubble's W) takes the sum of
+    the earlier gradients donated and returns the new sum in its place: the driver holds
+    one accumulator per stage, never the old sum, the new gradients and their sum."""
+    trainer = pipelined("mlp-tiny", megatron(pp=2), schedule, 4)
+    stage = trainer.program.driver.stages[1]
+    kind = "backward_weight" if schedule is zero_bubble else "backward"
+    program = getattr(stage, kind)
+    calls = []
+
+    def recorded(acc, *args):
+        out = program(acc, *args)
+        calls.append((acc, out, program.lower(acc, *args).compile().memory_analysis()))
+        return out
+
+    setattr(stage, kind, recorded)  # shadows the cached program on this trainer only
+    spec = models.get("mlp-tiny")
+    trainer.step(spec.batch(spec.batch_size, 0))
+    assert [acc is None for acc, *_ in calls] == [True, False, False, False]
+    for acc, out, memory in calls[1:]:
+        assert all(a.is_deleted() for a in acc), "the accumulator was copied, not donated"
+        grads = out[0] if kind == "backward" else out
+        assert memory.alias_size_in_bytes == sum(g.nbytes for g in grads)

@@ -277,7 +277,7 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched) -> 
     params = [t for t in low.update if t in read]
     p_bytes = sum(size(t, low.storage[t]) for t in params)
     # a micro-batch's backward program holds its gradients unreduced and reduced, beside
-    # the driver's sum over the earlier micro-batches, with every residual in flight
+    # the sum over the earlier micro-batches (donated into it), with every residual in flight
     reduced = sum(size(t, low.grad[t]) for t in params)
     grads = sum(size(t, unreduced_grad(low, t)) for t in params)
     grads += reduced * (2 if sched.microbatches > 1 else 1)

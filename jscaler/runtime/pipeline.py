@@ -4,8 +4,9 @@ The :class:`StageDriver` dispatches the schedule's blocks in an order that respe
 data dependencies and every group's own order (:meth:`Schedule.order`); JAX dispatches
 each program asynchronously, so groups run concurrently. Activations and their gradients
 move between groups' meshes with ``jax.device_put``. Parameter gradients accumulate per
-stage over micro-batches; a parameter read by several stages (a tied embedding and LM
-head) lives on each of them and its gradients are summed.
+stage over micro-batches, into an accumulator each backward program takes donated and
+adds to; a parameter read by several stages (a tied embedding and LM head) lives on each
+of them and its gradients are summed.
 
 The optimizer sees the whole tree in one program over every pipeline device: master
 parameters and optimizer state are sharded over all of them (ZeRO-1 across the
@@ -124,7 +125,7 @@ class StageDriver:
         res: dict = {}  # (stage, microbatch) -> (inputs held, residuals kept)
         saved: dict = {}  # (stage, microbatch) -> forward inputs of a recomputed block
         wcot: dict = {}  # (stage, microbatch) -> output cotangents kept for W
-        grads: dict = {}  # stage index -> accumulated parameter gradients
+        grads: dict = {}  # stage index -> accumulated parameter gradients (donated on)
         losses = []
         log = DriverLog([[] for _ in self.schedule.groups], [0] * n)
         alive = [0] * n
@@ -146,9 +147,6 @@ class StageDriver:
                 for c in st.consumers[t]:
                     acts[(t, j, c)] = jax.device_put(v, programs[c].sharding(t))
             losses.extend(outs[:1])
-
-        def add_grads(st, g):
-            grads[st.index] = _add_lists(grads[st.index], g) if st.index in grads else g
 
         def out_cot(st, j):
             ca = [_sum([cots.pop((t, j, c)) for c in st.consumers[t]]) for t in st.acts_out]
@@ -190,14 +188,14 @@ class StageDriver:
                     d_acts = st.backward_input(*res[(b.stage, j)], cot)
                     wcot[(b.stage, j)] = cot
                 else:
-                    d_params, d_acts = st.backward(*res.pop((b.stage, j)), cot)
+                    acc = grads.pop(st.index, None)
+                    grads[st.index], d_acts = st.backward(acc, *res.pop((b.stage, j)), cot)
                     alive[b.stage] -= 1
-                    add_grads(st, d_params)
                 send_back(st, j, d_acts)
             else:  # W
-                d_params = st.backward_weight(*res.pop((b.stage, j)), wcot.pop((b.stage, j)))
+                acc, r = grads.pop(st.index, None), res.pop((b.stage, j))
+                grads[st.index] = st.backward_weight(acc, *r, wcot.pop((b.stage, j)))
                 alive[b.stage] -= 1
-                add_grads(st, d_params)
         self.log = log
         return self.handoff.scalar(_sum(losses)) / m, grads
 
@@ -404,8 +402,3 @@ def _sum(values):
 @jax.jit
 def _add(a, b):
     return a + b
-
-
-@jax.jit
-def _add_lists(a, b):
-    return [x + y for x, y in zip(a, b)]

@@ -135,10 +135,18 @@ class Stage:
 
     @cached_property
     def backward(self):
-        """``(held, kept, cot) -> (d_params, d_acts)``: ``held`` the forward's inputs it
-        needs (:meth:`held`), ``kept`` what :attr:`forward_res` returned with its outputs."""
+        """``(acc, held, kept, cot) -> (acc + d_params, d_acts)``: ``held`` the forward's
+        inputs it needs (:meth:`held`), ``kept`` what :attr:`forward_res` returned with its
+        outputs, ``acc`` the parameter gradients of earlier micro-batches or None (the
+        first). ``acc`` is donated: the sum is written over it inside the program, so a
+        stage holds one accumulator and not the old sum, the new gradients and their sum."""
         bwd = self._fwd_bwd[1]
-        return jax.jit(lambda held, kept, cot: bwd(self._vjp(held, kept), cot))
+
+        def run(acc, held, kept, cot):
+            d_params, d_acts = bwd(self._vjp(held, kept), cot)
+            return _accumulate(acc, d_params), d_acts
+
+        return jax.jit(run, donate_argnums=0)
 
     @cached_property
     def backward_input(self):
@@ -147,8 +155,20 @@ class Stage:
 
     @cached_property
     def backward_weight(self):
+        """``(acc, held, kept, cot) -> acc + d_params``, ``acc`` donated as in
+        :attr:`backward`."""
         bwd = self._fwd_bwd[1]
-        return jax.jit(lambda held, kept, cot: bwd(self._vjp(held, kept), cot)[0])
+
+        def run(acc, held, kept, cot):
+            return _accumulate(acc, bwd(self._vjp(held, kept), cot)[0])
+
+        return jax.jit(run, donate_argnums=0)
+
+
+def _accumulate(acc, grads):
+    """``acc + grads`` leaf by leaf, inside a stage's backward program (``acc``: None for
+    the first micro-batch)."""
+    return grads if acc is None else [a + g for a, g in zip(acc, grads)]
 
 
 def build_stages(
