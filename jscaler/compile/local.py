@@ -25,7 +25,7 @@ from jscaler.compile.layout import Layout
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Op
 
-__all__ = ["bind_local", "block_index", "transition", "vary"]
+__all__ = ["bind_local", "block_index", "first_group", "ragged_piece", "transition", "vary"]
 
 # Ops whose bits depend on the global shape: a piece would draw different numbers.
 RANDOM = {"random_bits", "random_seed", "random_wrap", "random_unwrap", "threefry2x32"}
@@ -175,11 +175,12 @@ def _fit_sizes(op: Op, x, sizes, what):
     return tuple(out)
 
 
-def bind_local(op: Op, ins, out_shapes, offsets: dict[int, object] | None = None):
+def bind_local(op: Op, ins, out_shapes, offsets: dict[int, object] | None = None, group=None):
     """Binds ``op`` on local pieces ``ins``; ``out_shapes`` are its pieces' output shapes.
 
     ``offsets`` maps an output axis to where this piece starts along it (an iota along a
-    split axis counts from there).
+    split axis counts from there). ``group``: a ``ragged_dot``'s first group on this piece
+    when its rhs groups are split (:func:`first_group`).
     """
     if op.primitive in RANDOM:
         raise LayoutError(
@@ -194,6 +195,10 @@ def bind_local(op: Op, ins, out_shapes, offsets: dict[int, object] | None = None
             f"region; leave it outside the region"
         )
     ins = _agree(ins, [v.aval.dtype for v in op.eqn.invars])
+    if group is not None:
+        outs = ragged_piece(op, ins, group)
+        _check_shapes(op, outs, out_shapes)
+        return outs
     if op.primitive == "erfc":  # see _erfc
         outs = [_erfc(ins[0])]
         _check_shapes(op, outs, out_shapes)
@@ -210,6 +215,64 @@ def bind_local(op: Op, ins, out_shapes, offsets: dict[int, object] | None = None
             outs[0] = outs[0] + offsets[dim].astype(outs[0].dtype)
     _check_shapes(op, outs, out_shapes)
     return outs
+
+
+def _ragged_axes(op: Op) -> tuple[int, int, int]:
+    """(lhs ragged axis, rhs group axis, output row axis) of a ``ragged_dot_general``
+    whose ragged dim is a row dim of the output (a MoE's forward), or a LayoutError."""
+    rdn = op.eqn.params["ragged_dot_dimension_numbers"]
+    (lc, _), (lb, _) = rdn.dot_dimension_numbers
+    ragged, groups = rdn.lhs_ragged_dimensions, rdn.rhs_group_dimensions
+    sizes = op.eqn.invars[2].aval.shape
+    if len(ragged) != 1 or len(groups) != 1 or len(sizes) != 1 or ragged[0] in (*lc, *lb):
+        raise LayoutError(
+            f"{op.where}: this ragged_dot_general (ragged dims {ragged}, group dims {groups}, "
+            f"group_sizes {sizes}) cannot run split along its groups; only one ragged row "
+            f"dim of the lhs and one group dim of the rhs can; keep its groups whole"
+        )
+    rank = len(op.eqn.invars[0].aval.shape)
+    free = [i for i in range(rank) if i not in (*lc, *lb)]
+    return ragged[0], groups[0], len(lb) + free.index(ragged[0])
+
+
+def first_group(op: Op, rhs: Layout, sizes: dict[str, int]):
+    """The first group this device's piece of a ``ragged_dot``'s rhs holds; ``None`` when
+    ``op`` is no ragged_dot or its groups are whole here."""
+    if op.primitive != "ragged_dot_general":
+        return None
+    groups = op.eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions
+    axes = rhs.spec[groups[0]] if groups else ()
+    if not axes:
+        return None
+    _, g, _ = _ragged_axes(op)
+    local = op.eqn.invars[1].aval.shape[g] // math.prod(sizes[a] for a in axes)
+    return block_index(axes, sizes) * local
+
+
+def ragged_piece(op: Op, ins, first):
+    """A ``ragged_dot`` on a piece of its groups: rhs holds groups ``[first, first + n)``,
+    ``group_sizes`` is whole. Rows of other groups come out zero, so the pieces add up to
+    the whole (the '+' of the group dim, :func:`jscaler.ir.rules_nn.ragged_dot_general`).
+    ``first=None``: the groups are whole, the op runs as it is.
+
+    The rows are rotated so that the piece's first row comes first, multiplied with the
+    piece's group sizes (ragged_dot leaves the rows past their sum zero), and rotated
+    back: every row gets the value the whole op computes for it (on CPU, bit for bit).
+    """
+    params = dict(op.eqn.params)
+    params["out_sharding"] = None
+    prim = op.eqn.primitive
+    # not under the equation's own context: see bind_local
+    if first is None:  # whole groups
+        return [prim.bind(*ins, **prim.get_bind_params(params))]
+    r, g, o = _ragged_axes(op)
+    lhs, rhs, sizes = ins
+    n = rhs.shape[g]
+    first = jnp.asarray(first, sizes.dtype)
+    start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
+    mine = jax.lax.dynamic_slice_in_dim(sizes, first, n)
+    out = prim.bind(jnp.roll(lhs, -start, axis=r), rhs, mine, **prim.get_bind_params(params))
+    return [jnp.roll(out, start, axis=o)]
 
 
 @jax.custom_jvp

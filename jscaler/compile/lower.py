@@ -5,12 +5,13 @@ with NamedShardings; before an op runs, its inputs are constrained to the layout
 pieces read; after it runs, its outputs to the layouts its pieces write. XLA's SPMD
 partitioner inserts the collectives between the two.
 
-Partial sums stay under the plan's control: an op split along a '+' dim runs as a
-``shard_map`` region that computes the local partial result and reduces it right there
-with the collective the consumers ask for: ``psum`` (all-reduce), or ``psum_scatter``
-(reduce-scatter) when every consumer wants the result split along one more axis over the
-same devices. (The embedding lookup's vocabulary split is left to XLA, which masks the
-lookups and reduces at the output constraint.)
+Partial sums stay under the plan's control: an op split along a '+' dim (a dot's
+contracting dim, a ``ragged_dot``'s groups) runs as a ``shard_map`` region that computes
+the local partial result and reduces it right there with the collective the consumers
+ask for: ``psum`` (all-reduce), or ``psum_scatter`` (reduce-scatter) when every consumer
+wants the result split along one more axis over the same devices. (The embedding
+lookup's vocabulary split is left to XLA, which masks the lookups and reduces at the
+output constraint.)
 
 Manual regions (``plan.regions``: ring attention, coshard, marked ``shard_map`` regions)
 run as one ``shard_map`` each, at the position of the region's last op
@@ -31,7 +32,7 @@ from jax._src import source_info_util
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jscaler.compile.layout import Layout, layout_of, reduced_layout, replicated
-from jscaler.compile.local import transition, vary, varying
+from jscaler.compile.local import first_group, ragged_piece, transition, vary, varying
 from jscaler.compile.regions import manual_regions
 from jscaler.compile.reshard import reshard_units, run_resharded
 from jscaler.compile.segment import Segment
@@ -43,7 +44,7 @@ from jscaler.plan.plan import Plan
 
 __all__ = ["Lowered", "lower", "run_ops"]
 
-SHARD_MAP_PARTIAL = {"dot_general", "conv_general_dilated", "reduce_sum"}
+SHARD_MAP_PARTIAL = {"dot_general", "conv_general_dilated", "reduce_sum", "ragged_dot_general"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -355,7 +356,11 @@ def _run_partial(low: Lowered, op: Op, ins, lays: OpLayouts):
         local = [vary(x, vma) for x in local]
         args = dict(zip((k for k, _ in tensor_ins), local))
         args.update(literals)
-        outs = _bind(op, [args[k] for k in range(len(ins))])
+        args = [args[k] for k in range(len(ins))]
+        if op.primitive == "ragged_dot_general":  # a piece of its groups knows its first
+            outs = ragged_piece(op, args, first_group(op, lays.inputs[1], sizes))
+        else:
+            outs = _bind(op, args)
         return [
             transition(v, lay, final, sizes, f"output of {op.where}")
             for v, lay, final in zip(outs, lays.outputs, finals)

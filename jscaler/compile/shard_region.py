@@ -24,7 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from jscaler.compile.layout import Layout, reduced_layout, replicated
-from jscaler.compile.local import bind_local, block_index, transition, vary, varying
+from jscaler.compile.local import (
+    bind_local,
+    block_index,
+    first_group,
+    transition,
+    vary,
+    varying,
+)
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Literal, Op
 from jscaler.plan.pieces import device_pieces, op_pieces
@@ -126,7 +133,8 @@ class LocalRegion:
                     ins[i] = varied.setdefault((*key, axes), vary(ins[i], axes))
             shapes = [self.shapes[(op.id, k)] for k in range(len(op.outputs))]
             offsets = self._offsets(op, lays.outputs[0], j, sizes) if op.primitive == "iota" else {}
-            outs = bind_local(op, ins, shapes, offsets)
+            group = self._first_group(op, lays.inputs, j, sizes)
+            outs = bind_local(op, ins, shapes, offsets, group)
             for t, v, lay in zip(op.outputs, outs, lays.outputs):
                 env[t], have[t] = v, lay
         return {t: env[t] for t in self.outputs}
@@ -144,6 +152,21 @@ class LocalRegion:
             if cut == a:
                 out[a] = out.get(a, jnp.int32(0)) + j * piece[a]
         return out
+
+    def _first_group(self, op: Op, lays, j, sizes):
+        """A ragged_dot's first group on this device (and piece), if its groups are split."""
+        if op.primitive != "ragged_dot_general":
+            return None
+        first = first_group(op, lays[1], sizes)
+        (g,) = op.eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions or (None,)
+        if j is not None and g is not None and self.piece_axis.get((op.id, "in", 1)) == g:
+            local = (
+                op.eqn.invars[1].aval.shape[g]
+                // math.prod(sizes[a] for a in lays[1].spec[g])
+                // self.colocate
+            )
+            first = (jnp.int32(0) if first is None else first) + j * local
+        return first
 
     def _pieces(self, low, ext, sizes):
         """Coshard: the colocated pieces one after another, each recomputed in backward."""

@@ -40,8 +40,14 @@ def ragged_dot_general(eqn):
     """A dot whose ragged lhs dim is cut into groups by ``group_sizes`` (dropless MoE).
 
     As ``dot_general``, except: the ragged dim is '^' (a piece of it would need to know
-    where its groups start), the rhs group dim and ``group_sizes`` are '^'. When the ragged
-    dim is contracted (the weight gradient), the output gains a leading group axis ('^').
+    where its groups start) and ``group_sizes`` is '^'. The rhs group dim (the experts of
+    a dropless MoE) is '+': a piece holding groups ``[a, b)`` computes the rows of those
+    groups and zeros elsewhere, and the pieces add up to the whole. A piece needs all of
+    ``group_sizes`` and its first group to find its rows (``compile.local.ragged_piece``);
+    the group dim stays '^' where that kernel does not apply (several ragged or group
+    dims, ``group_sizes`` with batch dims).
+    When the ragged dim is contracted (the weight gradient), the output gains a leading
+    group axis ('^').
     """
     (ls, rs, gs), _ = shapes(eqn)
     rdn = eqn.params["ragged_dot_dimension_numbers"]
@@ -57,8 +63,10 @@ def ragged_dot_general(eqn):
         batch.append(lhs[i])
     for i, j in zip(lc, rc):
         lhs[i] = rhs[j] = nm.new("^" if i in ragged else "+")
+    # one ragged row dim, one group dim, one vector of sizes: what ragged_piece runs
+    pieceable = len(ragged) == len(groups) == len(gs) == 1 and not ragged & {*lc, *lb}
     for j in groups:
-        rhs[j] = nm.new("^")
+        rhs[j] = nm.new("+" if pieceable else "^")
     lfree = [i for i in range(len(ls)) if lhs[i] is None]
     rfree = [j for j in range(len(rs)) if rhs[j] is None]
     for i in lfree:
