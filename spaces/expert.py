@@ -11,12 +11,18 @@ reduced over ``dp`` only; the dense weights' over ``dp x ep``. ``tp`` splits the
 hidden width and the dense parts' heads and MLPs as Megatron does, ``zero`` shards over
 ``dp``, ``pp`` cuts the layers into a pipeline of such stages.
 
+Dropless dispatch (``models/moe.py``'s ``"dropless"``, MegaBlocks', tunix's Gemma 4):
+the (token, choice) rows are sorted by expert over the whole batch and multiplied with
+``ragged_dot``. The sort needs every row, so the rows are gathered on every device; each
+``ragged_dot`` is split along its groups over ``ep`` (the group dim is '+': a device
+computes its own experts' rows, zeros for the others', and the pieces are summed over
+``ep``, an all-reduce), so a device still holds and runs ``E / ep`` experts and the result
+is exactly one device's. No all-to-all here: every device sees every row.
+
 Experts are found from the graph: a parameter axis that is a batch dimension of a matmul
-(``einsum("egcd,edf->egcf")``: each expert's tokens times that expert's weight), or named
-with ``experts="blocks/*/moe/w_*"`` (a glob over parameter names; their leading axis).
-The tokens must reach the experts through a dense dispatch (the capacity style of
-``models/moe.py``, GShard's): a ``ragged_dot`` (dropless) groups rows by expert in a way
-layouts cannot split, and is refused with a PlanError for now.
+(``einsum("egcd,edf->egcf")``: each expert's tokens times that expert's weight) or the
+group axis of a ``ragged_dot``'s weight, or named with ``experts="blocks/*/moe/w_*"`` (a
+glob over parameter names; their leading axis).
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from spaces.zero import zero_over
 def expert_axes(graph: jscaler.Graph, names: str | None = None) -> list[tuple[int, int]]:
     """``(tensor, axis)`` of the stacked expert weights, as seen by the ops reading them:
     with ``names``, axis 0 of the parameters whose names match the glob; else every
-    parameter axis that is a batch dimension of a ``dot_general``."""
+    parameter axis that is a batch dimension of a ``dot_general`` or the group dimension
+    of a ``ragged_dot``."""
     found = []
     if names is not None:
         for t in graph.inputs:
@@ -51,17 +58,21 @@ def expert_axes(graph: jscaler.Graph, names: str | None = None) -> list[tuple[in
                 found.append((t, 0))
         return found
     for op in graph.ops:
-        if op.primitive != "dot_general" or op.eqn is None:
+        if op.eqn is None:
+            continue
+        if op.primitive == "ragged_dot_general":
+            groups = op.eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions
+            x = op.tensor_inputs[1]
+            if groups and param_source(graph, x) is not None:
+                found.append((x, groups[0]))
+            continue
+        if op.primitive != "dot_general":
             continue
         _, batch = op.eqn.params["dimension_numbers"]
         for x, dims in zip(op.tensor_inputs[:2], batch):
             if dims and param_source(graph, x) is not None:
                 found.append((x, dims[0]))
     return list(dict.fromkeys(found))
-
-
-def _ragged(graph: jscaler.Graph) -> jscaler.Op | None:
-    return next((o for o in graph.ops if o.primitive == "ragged_dot_general"), None)
 
 
 @dataclass(frozen=True)
@@ -110,21 +121,13 @@ class Expert:
 
     def _experts(self, graph: jscaler.Graph) -> list[tuple[int, int]]:
         call = f"expert(ep={self.ep})"
-        ragged = _ragged(graph)
-        if ragged is not None:
-            raise jscaler.PlanError(
-                f"{call}: {ragged.where} dispatches tokens with ragged_dot (dropless), whose "
-                f"rows are grouped by expert in a way layouts cannot split; expert "
-                f"parallelism needs a dense dispatch for now (capacity style, "
-                f"models/moe.py's dispatch='capacity'), or use dp(), megatron() or zero()"
-            )
         found = expert_axes(graph, self.experts)
         if not found:
             how = (
                 f"no parameter name matches {self.experts!r}"
                 if self.experts is not None
                 else "no parameter axis is a batch dimension of a matmul (a stacked expert "
-                "weight, einsum('egcd,edf->egcf'))"
+                "weight, einsum('egcd,edf->egcf')) or the group axis of a ragged_dot"
             )
             raise jscaler.PlanError(
                 f"{call}: the graph has no experts: {how}. Name them with "

@@ -43,7 +43,7 @@ from jscaler.plan import (
 from spaces.knobs import check_int
 from spaces.zero import zero_over
 
-WEIGHT_OPS = ("dot_general", "conv_general_dilated")
+WEIGHT_OPS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 
 # ops a weight passes through before its matmul: casts, the transpose of a kernel stored

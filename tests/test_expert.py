@@ -1,5 +1,6 @@
-"""Expert parallelism (spaces/expert.py) on moe-tiny's capacity dispatch: parity with one
-device, the all-to-alls and the expert weights' layout, and the errors.
+"""Expert parallelism (spaces/expert.py) on moe-tiny's two dispatch styles: parity with one
+device, the all-to-alls (capacity), the experts' ragged_dots split along their groups
+(dropless), the expert weights' layout, and the errors.
 
 Parity: 3 SGD steps on 8 simulated devices, loss, gradients and parameters against
 single-device training (fp32 tolerances of jscaler.runtime.reference); the pipeline
@@ -24,6 +25,7 @@ from spaces.expert import expert_axes
 from parity import LR, accumulated, assert_parity, batches, leaves, run_plan
 
 NAME = "moe-tiny"
+DROPLESS = "moe-tiny-dropless"
 PLANS = {
     "expert(ep=2)": expert(ep=2),
     "expert(ep=4, dp=2)": expert(ep=4, dp=2),
@@ -44,19 +46,51 @@ def test_expert_plan_matches_one_device(expr):
     assert "all-to-all" in hlo, f"{expr}: tokens reach their experts without an all-to-all"
 
 
+def group_splits(plan) -> list[int]:
+    """Per ragged_dot of the plan: how many ways its pieces split the rhs group dim (the
+    experts; moe.py stacks them on axis 0)."""
+    out = []
+    for op in plan.graph.ops:
+        if op.primitive == "ragged_dot_general":
+            group = op.annotation.inputs[1][0][0]
+            ways, stack = 1, [plan.tree(op.id)]
+            while stack:
+                node = stack.pop()
+                if node.algo == "split" and node.dim == group:
+                    ways *= len(node.children)
+                stack.extend(node.children[:1])
+            out.append(ways)
+    return out
+
+
+@pytest.mark.parametrize("expr", sorted(PLANS))
+def test_dropless_expert_plan_matches_one_device(expr):
+    """Dropless dispatch is exact: every device multiplies all the sorted rows by its
+    own experts (ragged_dot split along its groups: partial sums, zero rows for the other
+    experts' tokens), and the partial results are summed over ep."""
+    trainer = assert_parity(DROPLESS, PLANS[expr])
+    ep = trainer.plan.mesh.shape["ep"]
+    assert group_splits(trainer.plan) == [ep] * 6, group_splits(trainer.plan)
+    hlo = trainer.compiled(models.get(DROPLESS).batch(8, 0)).as_text()
+    found = {(c.kind, c.axes) for c in collectives(hlo, trainer.plan.mesh.axes)}
+    assert any(kind == "all-reduce" and "ep" in axes for kind, axes in found), found
+
+
 @pytest.mark.slow
-def test_expert_in_a_1f1b_pipeline_matches_one_device_accumulating():
-    spec = models.get(NAME)
-    _, got = run_plan(NAME, expert(ep=2, pp=2), microbatches=2, schedule=one_f_one_b)
+@pytest.mark.parametrize("name", [NAME, DROPLESS])
+def test_expert_in_a_1f1b_pipeline_matches_one_device_accumulating(name):
+    spec = models.get(name)
+    _, got = run_plan(name, expert(ep=2, pp=2), microbatches=2, schedule=one_f_one_b)
     want = reference_steps(spec.init(0), accumulated(spec.loss, 2), optax.sgd(LR), batches(spec))
     mm = compare(got, want)
     assert mm.ok, "\n".join(mm.lines[:10])
 
 
-def test_each_device_holds_its_own_experts():
+@pytest.mark.parametrize("name", [NAME, DROPLESS])
+def test_each_device_holds_its_own_experts(name):
     """Under expert(ep=4, dp=2) an expert weight is stored split 4 ways along the
     experts and a dense weight whole."""
-    spec = models.get(NAME)
+    spec = models.get(name)
     trainer = jscaler.parallelize(
         spec.init(0), spec.loss, optax.sgd(LR), spec.batch(8, 0), devices=8,
         plan=expert(ep=4, dp=2),
@@ -70,23 +104,22 @@ def test_each_device_holds_its_own_experts():
         assert specs[f"blocks/{i}/moe/router/kernel"] == P()
 
 
-def test_dropless_dispatch_is_refused_naming_the_op():
-    with pytest.raises(jscaler.PlanError, match=r"ragged_dot.*blocks/0/moe"):
-        expert(ep=2)(graph_of("moe-tiny-dropless"), 8)
-
-
 def test_a_model_without_experts_is_refused():
     with pytest.raises(jscaler.PlanError, match="has no experts"):
         expert(ep=2)(graph_of("gpt-tiny"), 8)
 
 
-def test_ep_must_divide_the_experts():
+@pytest.mark.parametrize("name", [NAME, DROPLESS])
+def test_ep_must_divide_the_experts(name):
     with pytest.raises(jscaler.PlanError, match="Choose ep among the divisors of 4"):
-        expert(ep=8)(graph_of(NAME), 8)
+        expert(ep=8)(graph_of(name), 8)
 
 
-def test_experts_named_by_a_glob():
-    graph = graph_of(NAME)
+@pytest.mark.parametrize("name", [NAME, DROPLESS])
+def test_experts_named_by_a_glob(name):
+    """Found from the graph (a matmul's batch dim; a ragged_dot's group dim) or named:
+    the same weights."""
+    graph = graph_of(name)
     named = expert_axes(graph, "blocks/*/moe/w_*")
     assert {graph.tensors[t].name for t, _ in named} == {
         f"blocks/{i}/moe/{w}" for i in (0, 1) for w in ("w_gate", "w_up", "w_down")

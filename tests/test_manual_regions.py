@@ -13,7 +13,7 @@ import models
 from jscaler.plan import op_trans
 from jscaler.report import explain
 from models import gpt
-from spaces import coshard, dp, megatron, ulysses, zero
+from spaces import coshard, dp, expert, megatron, ulysses, zero
 
 from parity import assert_parity
 from test_comm import assert_close, predicted_and_compiled
@@ -39,6 +39,13 @@ def every_op(graph):
     return graph.ops
 
 
+def first_experts(graph):
+    """The first MoE layer's experts: its ragged_dots (dropless) and what lies between."""
+    ops = [o for o in graph.ops if o.path.startswith("blocks/0/moe")]
+    at = [i for i, o in enumerate(ops) if o.primitive == "ragged_dot_general"]
+    return ops[at[0] : at[-1] + 1]
+
+
 # ---- coshard -------------------------------------------------------------------------
 
 COSHARD = {
@@ -57,6 +64,21 @@ def test_coshard_matches_single_device_training(case):
     model, space = COSHARD[case]
     trainer = assert_parity(model, space)
     assert any(r.kind == "coshard" for r in trainer.plan.regions)
+
+
+def test_coshard_over_the_experts_matches_single_device_training():
+    """expert(ep=2) on dropless MoE, each device's two experts run one after another:
+    each ragged_dot's groups split over ep, then colocated 2 ways on the device."""
+
+    def space(graph, n_devices):
+        plan = expert(ep=2)(graph, n_devices)
+        for op in graph.ops:
+            if op.primitive == "ragged_dot_general":
+                plan, _ = op_trans(plan, op, jscaler.coshard((op.tensor_inputs[1], 0), 2))
+        return plan
+
+    trainer = assert_parity("moe-tiny-dropless", space)
+    assert [r.kind for r in trainer.plan.regions] == ["coshard"] * 6
 
 
 def _long_gpt():
@@ -101,6 +123,10 @@ MARKED = {
         marked(megatron(tp=2), every_op, "every op"),
     ),
     "mlp-tiny zero(3) + manual(every op)": ("mlp-tiny", marked(zero(3), every_op, "every op")),
+    "moe-tiny-dropless expert(ep=4, dp=2) + manual(first experts)": (
+        "moe-tiny-dropless",
+        marked(expert(ep=4, dp=2), first_experts, "first experts"),
+    ),
 }
 
 

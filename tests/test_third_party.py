@@ -19,7 +19,7 @@ import pytest
 
 import jscaler
 from jscaler.runtime.reference import ATOL, RTOL, compare, reference_steps, trainer_steps
-from spaces import dp, megatron, zero
+from spaces import dp, expert, megatron, zero
 
 _PATH = Path(__file__).resolve().parent.parent / "examples" / "third_party_models.py"
 _spec = importlib.util.spec_from_file_location("third_party_models", _PATH)
@@ -121,3 +121,22 @@ def test_plan_matches_one_device(name, plan, record_property):
             trainer.shardings(), is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
         )
         assert any("tp" in jax.tree_util.tree_leaves(tuple(s.spec)) for s in specs), name
+
+
+def test_expert_parallel_gemma4_moe_matches_one_device():
+    """tunix's Gemma 4 MoE (dropless: sorted rows, ragged_dot over a stacked expert
+    weight) under expert(ep=4, dp=2): its experts found from the ragged_dots' group dim,
+    stored split over ep, and training as on one device."""
+    name = "tunix_gemma4_moe"
+    want = _reference(name)
+    model, loss, batch = tpm.FACTORIES[name]()
+    trainer = jscaler.parallelize(
+        model, loss, optax.sgd(LR), batch, devices=8, plan=expert(ep=4, dp=2)
+    )
+    got = trainer_steps(trainer, _batches(batch))
+    mm = compare(got, want, rtol=RTOL, atol={**ATOL, **ATOL_OVERRIDES[name]})
+    assert mm.ok, "\n".join(mm.lines[:10])
+    specs = jax.tree_util.tree_leaves(
+        trainer.shardings(), is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
+    )
+    assert sum(s.spec == jax.sharding.PartitionSpec("ep") for s in specs) == 4
