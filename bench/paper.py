@@ -257,6 +257,7 @@ def _auto(systems: dict, graph_of, n: int, batch: int, cluster: str) -> dict:
                 Candidate(
                     expr, SPACES[name](**kw, **extra), state_shards(name, kw, n),
                     kw.get("pp", 1), batch // size, fallback_of=_less_colocated(name, kw),
+                    recompute=kw.get("recompute", 0),
                 )
             )  # fmt: skip
     counts = sorted({c.microbatches for c in cands})

@@ -110,7 +110,11 @@ def candidates(graph, n: int) -> list:
                 plain = {k: v for k, v in kw.items() if k != "recompute"}
                 base = expression(name, plain)
                 out.append(Candidate(base, SPACES[name](**plain), shards, stages))
-                out.append(Candidate(expr, space, shards, stages, fallback_of=base))
+                out.append(
+                    Candidate(
+                        expr, space, shards, stages, fallback_of=base, recompute=kw["recompute"]
+                    )
+                )
             else:
                 out.append(Candidate(expr, space, shards, stages))
     return list({c.name: c for c in out}.values())

@@ -101,6 +101,48 @@ def test_auto_is_no_slower_than_any_spaces_best_setting(model):
         print(f"  {name:<16} {best * 1e3:.3f} ms")
 
 
+@pytest.mark.parametrize(
+    "expr",
+    ["dp", "zero(stage=3)", "megatron(tp=4, dp=2)", "megatron(tp=2, recompute=1)",
+     "megatron(tp=2, pp=2)", "megatron(pp=4, recompute=1)"],
+)  # fmt: skip
+def test_the_lower_bound_never_exceeds_a_predicted_step(expr):
+    """The search prunes a candidate whose bound is not below the best step found: the
+    bound (every op's roofline time at its whole size over the devices, recomputed
+    layers' forward again) must be at most what the cost model predicts for any plan,
+    and on one device it is the predicted compute itself."""
+    from jscaler.cost.estimate import roofline_seconds
+    from jscaler.plan.helpers import recomputed_layers
+    from spaces.parse import parse_plan
+
+    recompute = 1 if "recompute=1" in expr else 0
+    kw = {"dtype": "fp16", "optimizer_slots": 2}
+    for m in (2, 4) if "pp=" in expr else (1,):  # gpt-tiny's 8 rows: dp=8 needs m=1
+        graph = graph_of("gpt-tiny", m)
+        plan = parse_plan(expr)(graph, N)
+        predict = estimate_pipeline if plan.is_pipeline else estimate
+        est = predict(plan, CLUSTER, microbatches=m, **kw)
+        again = {o.id for lay in recomputed_layers(graph, recompute) for o in lay.graph.ops}
+        least = roofline_seconds(graph, CLUSTER, "fp16", again)
+        assert 0 < least * m / N <= est.step_time, (expr, m, least * m / N, est.step_time)
+    graph = graph_of("gpt-tiny", 1)
+    one = SPACES["megatron"](tp=1, recompute=recompute)(graph, 1)
+    alone = estimate(one, CLUSTER, **kw)
+    again = {o.id for lay in recomputed_layers(graph, recompute) for o in lay.graph.ops}
+    least = roofline_seconds(graph, CLUSTER, "fp16", again)
+    assert least == pytest.approx(alone.compute - optimizer_seconds(one), rel=1e-9)
+
+
+def optimizer_seconds(plan) -> float:
+    """The cost model's gradient and update ops' time on one device (once per step)."""
+    from jscaler.cost.cluster import get_cluster
+    from jscaler.cost.estimate import device_times, needs_grad
+
+    times = device_times(plan, get_cluster(CLUSTER), "fp16", needs_grad(plan.graph), set())
+    ids = {v.id for v in (*plan.pgraph.grad_ops, *plan.pgraph.update_ops)}
+    return sum(t for i in ids for t in times[i][1].values())
+
+
 def test_the_search_is_deterministic_cached_and_explained(tmp_path, monkeypatch):
     monkeypatch.setenv("JSCALER_CACHE_DIR", str(tmp_path))
     graph = graph_of("gpt-tiny", 2)  # two micro-batches: pipelines and their schedules

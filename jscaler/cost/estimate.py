@@ -51,7 +51,7 @@ from jscaler.ir.graph import Literal
 from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
 
-__all__ = ["Estimate", "estimate", "needs_grad", "saved_for_backward"]
+__all__ = ["Estimate", "estimate", "needs_grad", "roofline_seconds", "saved_for_backward"]
 
 CONTRACTIONS = {"dot_general", "conv_general_dilated"}
 # consumers that need none of their inputs' values in the backward pass
@@ -346,6 +346,26 @@ def device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed) -> dict
             b[dev] = b.get(dev, 0.0) + nbytes * _share(tree, path) / cl.memory_bandwidth
         out[vop.id] = ({}, b)
     return out
+
+
+def roofline_seconds(g, cluster: str | Cluster, dtype: str, recomputed=frozenset()) -> float:
+    """The least device-seconds one forward and backward of ``g`` takes on ``cluster``
+    under any plan: each op's roofline time at its whole size, as :func:`device_times`
+    charges its pieces (a piece costs its share of the op, and the shares of a split or
+    replicated op add up to at least one), the ops in ``recomputed`` run forward again.
+    Divided by the devices, a lower bound on any plan's compute per micro-batch."""
+    cl = get_cluster(cluster)
+    roof = cl.peak(dtype) * cl.efficiency
+    scale = value_scale(dtype)
+    moved = _op_bytes(g)
+    needs = needs_grad(g)
+    total = 0.0
+    for op in g.ops:
+        factor = _bwd_factor(op, needs)
+        again = 1.0 if op.id in recomputed and factor else 0.0
+        t = max(op.flops / roof, scale * moved[op.id] / cl.memory_bandwidth)
+        total += t * (1.0 + factor + again)
+    return total
 
 
 def _op_bytes(g) -> dict[int, int]:

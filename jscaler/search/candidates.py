@@ -61,6 +61,8 @@ class Candidate:
       fallback_of: tried only when the candidate of this name does not fit.
       counts: at most this many of the micro-batch counts offered (0: every one); a
         pipeline whose planning is costly (an ILP per count) tries fewer.
+      recompute: the fraction of repeated layers it recomputes (as the spaces' knob), so
+        its lower bound counts their forward twice.
     """
 
     name: str
@@ -70,6 +72,7 @@ class Candidate:
     microbatches: int | None = None
     fallback_of: str | None = None
     counts: int = 0
+    recompute: float = 0
 
 
 _CANDIDATES: list[Callable[[Graph, int], Iterable[Candidate]]] = []
@@ -176,6 +179,7 @@ def builtin_candidates(
                     dataclasses.replace(space, recompute=1),
                     state_shards=n,
                     fallback_of=f"intra_op({shape})",
+                    recompute=1,
                 )
             )
     for pp in (2, 4):

@@ -9,9 +9,10 @@ the next count (smaller micro-batches keep fewer activations).
 
 The search's size is kept in check as the field does: identical layers share one strategy
 in the ILP (solve one, reuse); a candidate whose model state cannot fit however it is split
-is pruned unplanned, and so is one whose lower bound (the graph's model FLOPs over every
-device at peak, stretched by its pipeline bubble ``(m + p - 1) / m``) is not below the best
-step found, candidates being tried in order of that bound; each ILP has a solver time limit
+is pruned unplanned, and so is one whose lower bound (every op's roofline time at its
+whole size, its recomputed layers' forward again, over every device:
+:func:`jscaler.cost.estimate.roofline_seconds`) is not below the best step found,
+candidates being tried in order of that bound; each ILP has a solver time limit
 (its FEASIBLE answer is the best it found, and the row says so); ``time_limit`` caps the
 whole search and returns the best so far, saying so. Same inputs, same result: the order is
 fixed and CP-SAT runs deterministically. Results are cached: the table of every candidate's
@@ -31,10 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jscaler.cost.cluster import Cluster, get_cluster
-from jscaler.cost.estimate import Estimate, estimate, flops_of, needs_grad
+from jscaler.cost.estimate import Estimate, estimate, roofline_seconds
 from jscaler.cost.pipeline import estimate_pipeline
 from jscaler.errors import JscalerError, PlanError
 from jscaler.ir.graph import Graph
+from jscaler.plan.helpers import recomputed_layers
 from jscaler.plan.kind import AnyPlan
 from jscaler.search.auto import SEARCH_VERSION, write_atomically
 from jscaler.search.candidates import (
@@ -272,15 +274,19 @@ def _state_bytes(graph: Graph, dtype: str, slots: int) -> float:
 
 def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, start):
     """Every (candidate, count, schedule) tried in order of its lower bound."""
-    cl = knobs["cluster"]
-    peak = cl.peak(knobs["dtype"]) * n
-    flops = {}
+    cl, dtype = knobs["cluster"], knobs["dtype"]
+    least = {}
 
     def bound(c: Candidate, m: int) -> float:
-        if m not in flops:
+        """No plan of ``c`` is faster: m micro-batches of every op at its roofline time
+        (its recomputed layers' forward twice), spread evenly over the devices. No
+        pipeline bubble: a schedule such as zero-bubble may fill it."""
+        if (m, c.recompute) not in least:
             g = graph_of(m)
-            flops[m] = flops_of(g, needs_grad(g), set())[0]
-        return flops[m] * (m + c.stages - 1) / peak
+            layers = recomputed_layers(g, c.recompute) if g.layers() else []  # none: it fails
+            again = {o.id for lay in layers for o in lay.graph.ops}
+            least[(m, c.recompute)] = roofline_seconds(g, cl, dtype, again)
+        return least[(m, c.recompute)] * m / n
 
     queue = []
     for i, c in enumerate(cands):
