@@ -1,7 +1,8 @@
 """``jscaler bench moe``: expert parallelism on ``moe-small`` against plain JAX.
 
 The registered ``moe-small`` (capacity dispatch, 8 experts, top-2; ``--small``:
-``moe-tiny``) trained under jscaler's ``expert`` plans beside the plain-JAX steps a user
+``moe-tiny``; ``--model moe-small-dropless``: the same model dispatching with
+``ragged_dot``) trained under jscaler's ``expert`` plans beside the plain-JAX steps a user
 would write (:mod:`bench.plain_baselines`): experts split by name rules over an expert
 axis with GSPMD propagating the rest, and plain data parallelism. Per row, per device:
 memory, collective bytes by kind, step time, the loss after 3 AdamW steps (both sides
@@ -25,8 +26,12 @@ EXPERT_RULES = [(r"moe/w_(gate|up|down)$", P("tp"))]  # the plain mesh's second 
 COMM_BOUND, MEMORY_BOUND = 0.8, 1.0
 
 
-def moe_model(small: bool) -> BenchModel:
-    name = "moe-tiny" if small else "moe-small"
+def moe_model(small: bool, name: str | None = None) -> BenchModel:
+    """The registered MoE model ``name`` (default ``moe-small``; ``small``: its tiny
+    config, ``moe-tiny`` or ``moe-tiny-dropless``)."""
+    name = name or "moe-small"
+    if small:
+        name = name.replace("-small", "-tiny")
     return registered(name, name, EXPERT_RULES)
 
 
@@ -43,8 +48,8 @@ def pairs(n: int):
     ]
 
 
-def run(small: bool = False, n: int = 8, steps: int = 5, log=None):
-    bm = moe_model(small)
+def run(small: bool = False, n: int = 8, steps: int = 5, log=None, model: str | None = None):
+    bm = moe_model(small, model)
     opt = optax.adamw(1e-3)
     out = []
     for key, kind, name, plan in pairs(n):
@@ -81,7 +86,7 @@ def target_lines(measured) -> list[str]:
 def main(args) -> int:
     n = args.devices or 8
     log = None if args.json else (lambda s: print(s, flush=True))
-    bm, measured = run(small=args.small, n=n, steps=args.steps, log=log)
+    bm, measured = run(small=args.small, n=n, steps=args.steps, log=log, model=args.model)
     if args.json:
         import json
         from dataclasses import asdict

@@ -46,7 +46,8 @@ def register(sub) -> None:
         "fastest plain row): per-device memory, collective bytes by kind, interleaved step "
         "times, the loss after 3 AdamW steps on both, the cost model's predictions, the "
         "ratios and the issue's targets met or missed. 'moe': the same measurement for "
-        "moe-small (--small: moe-tiny): dp() against plain dp, expert(ep=4), expert(ep=2) "
+        "moe-small (--small: moe-tiny; --model moe-small-dropless: ragged_dot dispatch): "
+        "dp() against plain dp, expert(ep=4), expert(ep=2) "
         "and expert(ep=4, tp=2) against plain JAX with the experts split by name rules over "
         "an expert axis (dp=2 x ep=4), and the target: the best expert plan's collective "
         "bytes <= 0.8x the plain rules' at no more memory.",
@@ -70,7 +71,8 @@ def register(sub) -> None:
         "--model",
         default=None,
         help="model (default gpt-small, 21M; pipeline: gpt-tiny; coshard: swin-bench; plain: "
-        "all of gpt-fused, hf-gpt2, hf-llama, gpt-small, swin)",
+        "all of gpt-fused, hf-gpt2, hf-llama, gpt-small, swin; moe: moe-small or "
+        "moe-small-dropless)",
     )
     be.add_argument(
         "--steps",
