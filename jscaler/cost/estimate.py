@@ -320,8 +320,7 @@ def device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed) -> dict
     moved = _op_bytes(g)
     shares: dict = {}  # tree -> ((device, share), ...): repeated layers share trees
     for op in g.ops:
-        factor = _bwd_factor(op, needs)
-        again = 1.0 if op.id in recomputed and factor else 0.0  # no backward: no rerun
+        backward = _backward_multiple(op, needs, recomputed)
         nbytes = scale * moved[op.id]
         tree = plan.tree(op.id)
         per = shares.get(tree)
@@ -332,9 +331,9 @@ def device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed) -> dict
             )
         f, b = {}, {}
         for dev, share in per:
-            t = max(op.flops * share / roof, nbytes * share / cl.memory_bandwidth)
+            t = _piece_seconds(op, share, nbytes, roof, cl.memory_bandwidth)
             f[dev] = f.get(dev, 0.0) + t
-            b[dev] = b.get(dev, 0.0) + t * (factor + again)
+            b[dev] = b.get(dev, 0.0) + t * backward
         out[op.id] = (f, b)
     for vop in (*pg.grad_ops, *pg.update_ops):  # elementwise, memory bound
         tree = plan.tree(vop.id)
@@ -361,11 +360,22 @@ def roofline_seconds(g, cluster: str | Cluster, dtype: str, recomputed=frozenset
     needs = needs_grad(g)
     total = 0.0
     for op in g.ops:
-        factor = _bwd_factor(op, needs)
-        again = 1.0 if op.id in recomputed and factor else 0.0
-        t = max(op.flops / roof, scale * moved[op.id] / cl.memory_bandwidth)
-        total += t * (1.0 + factor + again)
+        t = _piece_seconds(op, 1.0, scale * moved[op.id], roof, cl.memory_bandwidth)
+        total += t * (1.0 + _backward_multiple(op, needs, recomputed))
     return total
+
+
+def _piece_seconds(op, share: float, nbytes: float, roof: float, bandwidth: float) -> float:
+    """A piece's forward seconds on the roofline: ``share`` of ``op``'s FLOPs at ``roof``
+    or of its ``nbytes`` at ``bandwidth``, whichever takes longer."""
+    return max(op.flops * share / roof, nbytes * share / bandwidth)
+
+
+def _backward_multiple(op, needs, recomputed) -> float:
+    """The backward's time in forwards: its own factor, plus one forward again when
+    ``op`` is recomputed (an op with no backward is not rerun)."""
+    factor = _bwd_factor(op, needs)
+    return factor + (1.0 if op.id in recomputed and factor else 0.0)
 
 
 def _op_bytes(g) -> dict[int, int]:
