@@ -43,6 +43,9 @@ class Cluster:
         the ZeRO all-gathers after the update) of one kind over one group are merged into
         collectives of up to this many bytes, so their latency is paid once per bucket,
         not per tensor (``xla_gpu_all_reduce_combine_threshold_bytes``, 30 MiB).
+      reduce_scatter: whether the backend runs a reduce-scatter as one collective that
+        writes only each device's slice. XLA's CPU backend has none: it all-reduces the
+        whole gradient and slices it, so a ZeRO reduction's output is as big as its input.
     """
 
     name: str
@@ -54,6 +57,7 @@ class Cluster:
     inter: Link
     efficiency: float = 0.7
     combine_bytes: float = 30 * 2**20
+    reduce_scatter: bool = True
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.flops:
@@ -116,6 +120,7 @@ CLUSTERS = {
         Link(5 * GB, 20e-6),
         Link(1 * GB, 100e-6),
         efficiency=0.5,
+        reduce_scatter=False,
     ),
 }
 

@@ -268,7 +268,7 @@ def estimate(
     exposed_total = exposed + max(0.0, hidden - bwd_time)
     step = compute + exposed_total
 
-    memory = _memory(low, g, sizes, optimizer_slots, value_scale(dtype))
+    memory = _memory(low, g, sizes, optimizer_slots, value_scale(dtype), cl)
     return Estimate(
         plan.name or "plan",
         cl.name,
@@ -412,7 +412,7 @@ def needs_grad(g) -> set[int]:
     return down & up
 
 
-def _memory(low, g, sizes, slots: int, scale: float = 1.0) -> dict:
+def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster) -> dict:
     def size(t, layout):
         return local_bytes(g, t, layout, sizes)
 
@@ -436,8 +436,21 @@ def _memory(low, g, sizes, slots: int, scale: float = 1.0) -> dict:
     acts += scale * max(
         working_set(low), *(sum(size(t, produced[t]) for t in ts) for ts in gathered), 0.0
     )
-    reduced = sum(size(t, low.grad[t]) for t in low.grad)
+    reduced = sum(reduced_bytes(low, t, cl) for t in low.grad)
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
+
+
+def reduced_bytes(low, t: int, cl: Cluster) -> float:
+    """Bytes (per device, before dtype scaling) the reduction of parameter ``t``'s
+    gradient writes: its reduced layout's, or on a backend without a reduce-scatter
+    (``cl.reduce_scatter``; XLA's CPU backend all-reduces, then slices) the whole
+    unreduced gradient's where the reduction would scatter it."""
+    g = low.plan.pgraph.graph
+    sizes = low.plan.mesh.shape
+    out = local_bytes(g, t, low.grad[t], sizes)
+    if cl.reduce_scatter:
+        return out
+    return max(out, local_bytes(g, t, unreduced_grad(low, t), sizes))
 
 
 def unreduced_grad(low, t: int) -> Layout:

@@ -40,6 +40,7 @@ from jscaler.cost.estimate import (
     needs_grad,
     recompute_groups,
     recomputed_ops,
+    reduced_bytes,
     saved_for_backward,
     unreduced_grad,
     value_scale,
@@ -170,7 +171,7 @@ def estimate_pipeline(
                 fwd_cost[s, k] = fwd_cost.get((s, k), 0.0) + t
         update[gi] += combined.seconds().get(None, 0.0)
         memory[gi] = _group_memory(
-            value_scale(dtype), gp, low, g, stages, stage_of, pass_of, last, sched
+            value_scale(dtype), gp, low, g, stages, stage_of, pass_of, last, sched, cl
         )
 
     # point-to-point: a value crossing groups is received before the consumer's forward
@@ -263,7 +264,7 @@ def _update_share(g, n: int) -> float:
     return total
 
 
-def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched) -> dict:
+def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, cl) -> dict:
     """A group's stages' memory per device: their parameter copies and gradients (see
     below), batch and kept activations (the update's master copy and optimizer state are
     not the group's: :func:`_update_share`)."""
@@ -278,9 +279,9 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched) -> 
     p_bytes = sum(size(t, low.storage[t]) for t in params)
     # a micro-batch's backward program holds its gradients unreduced and reduced, beside
     # the sum over the earlier micro-batches (donated into it), with every residual in flight
-    reduced = sum(size(t, low.grad[t]) for t in params)
-    grads = sum(size(t, unreduced_grad(low, t)) for t in params)
-    grads += reduced * (2 if sched.microbatches > 1 else 1)
+    grads = sum(size(t, unreduced_grad(low, t)) + reduced_bytes(low, t, cl) for t in params)
+    if sched.microbatches > 1:
+        grads += sum(size(t, low.grad[t]) for t in params)
     opt = 0.0
     batch = sum(
         size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch" and t in read
