@@ -8,8 +8,11 @@ dispatched tokens ``[E, groups, capacity, d]`` change from a split by groups to 
 experts over the same ``ep`` devices, which is one all-to-all (and one back after the
 experts), implied by the layouts as Ulysses' are. The expert weights' gradients are
 reduced over ``dp`` only; the dense weights' over ``dp x ep``. ``tp`` splits the experts'
-hidden width and the dense parts' heads and MLPs as Megatron does, ``zero`` shards over
-``dp``, ``pp`` cuts the layers into a pipeline of such stages.
+hidden width and the dense parts' heads and MLPs as Megatron does, ``pp`` cuts the layers
+into a pipeline of such stages. ``zero`` shards each weight's optimizer state (1),
+gradient (2) and storage (3) over the devices that replicate it: a dense weight over ``dp
+x ep`` (8 shards under ``ep=4, dp=2``), an expert weight, already split over ``ep``,
+further over ``dp``; with ``dp=1`` ZeRO runs over ``ep`` alone.
 
 Dropless dispatch (``models/moe.py``'s ``"dropless"``, MegaBlocks', tunix's Gemma 4):
 the (token, choice) rows are sorted by expert over the whole batch and multiplied with
@@ -116,7 +119,8 @@ class Expert:
         seeds, _ = tp_seeds(graph, classes)  # one level per mesh axis, tp=1 included
         seeds = [(t, a) for t, a in seeds if graph.tensors[t].shape[a] % self.tp == 0]
         plan = split_classes(plan, seeds, self.tp, classes=classes)
-        plan = zero_over(assign_mesh(plan, ["dp", "ep", "tp"]), graph, self.zero)
+        plan = assign_mesh(plan, ["dp", "ep", "tp"])
+        plan = zero_over(plan, graph, self.zero, ("dp", "ep"))  # dense over dp x ep, experts dp
         return recompute_layers(plan, self.recompute)
 
     def _experts(self, graph: jscaler.Graph) -> list[tuple[int, int]]:
@@ -156,7 +160,8 @@ def expert(
 ) -> Expert:
     """Expert parallelism: experts split over ``ep`` devices (formed from the
     data-parallel ones), tokens sent to them and back with an all-to-all; dense parts
-    under data parallelism over ``dp x ep`` (and Megatron's ``tp``); ``zero`` over ``dp``;
-    ``pp`` pipeline stages. ``experts``: a glob of the expert weights' names where the
-    graph cannot tell (see the module doc)."""
+    under data parallelism over ``dp x ep`` (and Megatron's ``tp``); ``zero`` (stage 1-3)
+    over every device that replicates a weight: dense ones over ``dp x ep``, experts over
+    ``dp``; ``pp`` pipeline stages. ``experts``: a glob of the expert weights' names
+    where the graph cannot tell (see the module doc)."""
     return Expert(ep, dp, tp, pp, zero, recompute, precision, experts)

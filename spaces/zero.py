@@ -9,6 +9,8 @@ gradients reduce-scattered back).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jscaler
@@ -50,53 +52,70 @@ class Zero:
 
 
 def shard_params(
-    plan: Plan, graph: jscaler.Graph, stage: int, axis: str, *, forward: bool, replicas=()
+    plan: Plan,
+    graph: jscaler.Graph,
+    stage: int,
+    axis: str | Sequence[str],
+    *,
+    forward: bool,
+    replicas=(),
 ) -> Plan:
-    """Applies ZeRO's parameter/gradient/optimizer splits over mesh axis ``axis``.
+    """Applies ZeRO's parameter/gradient/optimizer splits over mesh axis ``axis`` (or
+    axes: a parameter is sharded over every one of them it is replicated over).
 
-    With ``forward``, also splits the forward ops by batch over the same axis and assigns
-    everything (a pure ZeRO-DP plan). ``replicas``: the plan's other mesh axes. A
-    parameter its consumers read split over one of them (a Megatron weight over tp) keeps
-    that split in its update, gradient and storage, and ZeRO splits its local shard
-    further; over the others each shard is replicated (ZeRO inside sequence parallelism).
+    With ``forward``, also splits the forward ops by batch over the same (single) axis and
+    assigns everything (a pure ZeRO-DP plan). ``replicas``: the plan's other mesh axes. A
+    parameter its consumers read split over one of them (a Megatron weight over tp), or
+    over one of ``axis`` (an expert weight over ep), keeps that split in its update,
+    gradient and storage, and ZeRO splits its local shard further over the ZeRO axes it
+    is read whole over, each on the largest local dim that axis divides (none: that axis
+    replicates it); over the ``replicas`` it is read whole over each shard is replicated
+    (ZeRO inside sequence parallelism).
     """
-    n = plan.mesh.shape[axis]
-    outer = {p.id: _consumer_splits(plan, graph, p.id, replicas) for p in graph.params()}
-    dims = {}
+    axes = [axis] if isinstance(axis, str) else list(axis)
+    levels = [*replicas, *axes]
+    read = replicas if forward else levels  # a ZeRO-DP plan's ops are not split yet
+    outer = {p.id: _consumer_splits(plan, graph, p.id, read) for p in graph.params()}
+    algos = {}  # parameter -> per level in ``levels``: the tensor axis split there, or None
     for p in graph.params():
         local = list(p.shape)
         for other, a in outer[p.id].items():
             if a is not None:
                 local[a] //= plan.mesh.shape[other]
-        dims[p.id] = shard_dim(tuple(local), n)
+        chosen = {name: outer[p.id].get(name) for name in levels}
+        for name in axes:
+            if chosen[name] is None:
+                d = shard_dim(tuple(local), plan.mesh.shape[name])
+                if d is not None:
+                    local[d] //= plan.mesh.shape[name]
+                chosen[name] = d
+        if any(chosen[name] != outer[p.id].get(name) for name in axes):
+            algos[p.id] = [chosen[name] for name in levels]
     if stage >= 3:
-        plan, _ = op_trans(plan, [t for t, d in dims.items() if d is not None], decouple())
+        plan, _ = op_trans(plan, list(algos), decouple())
     pg = plan.pgraph
     virtual = []
-    for t, d in dims.items():
-        if d is None:
-            continue
+    for t, dims in algos.items():
         ops = [pg.op(pg.update_ops[_index(pg, t)].id)]
         if stage >= 2:
             ops.append(pg.op(pg.grad_ops[_index(pg, t)].id))
         if stage >= 3:
             ops.append(pg.op(pg.identity_of[t]))
         for op in ops:
-            for other in replicas:
-                a = outer[t][other]
-                size = plan.mesh.shape[other]
-                algo = replicate() if a is None else split(_letter(a))
-                plan, _ = op_trans(plan, op.id, algo, size)
-            plan, _ = op_trans(plan, op.id, split(_letter(d)), n)
+            for name, d in zip(levels, dims):
+                algo = replicate() if d is None else split(_letter(d))
+                plan, _ = op_trans(plan, op.id, algo, plan.mesh.shape[name])
             virtual.append(op)
     if forward:
+        (only,) = axes
+        n = plan.mesh.shape[only]
         identities = set(pg.identity_of.values())
         rest = [o for o in pg.graph.ops if o.id not in identities]
         plan = split_classes(
             plan, batch_axes(graph, n), n, ops=rest, classes=DimClasses.for_graph(pg.graph)
         )
-        plan = assign_mesh(plan, [axis], ops=rest)
-    return assign_mesh(plan, [*replicas, axis], ops=virtual)
+        plan = assign_mesh(plan, [only], ops=rest)
+    return assign_mesh(plan, levels, ops=virtual)
 
 
 def _letter(axis: int) -> str:
@@ -128,21 +147,31 @@ def _consumer_splits(plan: Plan, graph: jscaler.Graph, t: int, axes) -> dict:
     return out
 
 
-def zero_over(plan: Plan, graph: jscaler.Graph, stage: int, axis: str = "dp") -> Plan:
-    """ZeRO stage ``stage`` (0: none) over mesh axis ``axis`` of an existing plan, shards
-    replicated over its other axes."""
+def zero_over(
+    plan: Plan, graph: jscaler.Graph, stage: int, axis: str | Sequence[str] = "dp"
+) -> Plan:
+    """ZeRO stage ``stage`` (0: none) over mesh axis ``axis`` of an existing plan, or over
+    several (``("dp", "ep")``: a parameter read whole over both is sharded over both, one
+    read split over ep only over dp); shards replicated over its other axes."""
     if stage == 0:
         return plan
     if stage not in (1, 2, 3):
         raise jscaler.PlanError(f"zero={stage!r}: the ZeRO stage must be 0, 1, 2 or 3")
-    if plan.mesh.shape.get(axis, 1) < 2:
-        raise jscaler.PlanError(
-            f"zero={stage} shards over the {axis!r} axis, which has "
-            f"{plan.mesh.shape.get(axis, 1)} device in {plan.name or 'this plan'}; leave "
-            f"devices for {axis} (e.g. dp=2) or drop zero"
+    axes = [axis] if isinstance(axis, str) else list(axis)
+    sizes = [plan.mesh.shape.get(a, 1) for a in axes]
+    if math.prod(sizes) < 2:
+        over = (
+            f"the {axes[0]!r} axis, which has 1 device"
+            if len(axes) == 1
+            else f"the {' x '.join(map(repr, axes))} axes, which have 1 device"
         )
-    replicas = [a for a, size in plan.mesh.axes if a != axis and size > 1]
-    return shard_params(plan, graph, stage, axis, forward=False, replicas=replicas)
+        raise jscaler.PlanError(
+            f"zero={stage} shards over {over} in {plan.name or 'this plan'}; leave devices "
+            f"for {axes[0]} (e.g. {axes[0]}=2) or drop zero"
+        )
+    axes = [a for a, n in zip(axes, sizes) if n > 1]
+    replicas = [a for a, size in plan.mesh.axes if a not in axes and size > 1]
+    return shard_params(plan, graph, stage, axes, forward=False, replicas=replicas)
 
 
 def _index(pg, t: int) -> int:

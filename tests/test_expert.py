@@ -10,6 +10,8 @@ load-balancing loss is per micro-batch).
 
 from __future__ import annotations
 
+import math
+
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -31,6 +33,8 @@ PLANS = {
     "expert(ep=4, dp=2)": expert(ep=4, dp=2),
     "expert(ep=4, tp=2)": expert(ep=4, tp=2),
     "expert(ep=2, zero=3)": expert(ep=2, zero=3),
+    "expert(ep=4, dp=2, zero=3)": expert(ep=4, dp=2, zero=3),
+    "expert(ep=2, zero=1)": expert(ep=2, zero=1),
 }
 
 
@@ -102,6 +106,44 @@ def test_each_device_holds_its_own_experts(name):
             assert specs[f"blocks/{i}/moe/{w}"] == P("ep"), specs[f"blocks/{i}/moe/{w}"]
         assert specs[f"blocks/{i}/attn/q_proj/kernel"] == P()
         assert specs[f"blocks/{i}/moe/router/kernel"] == P()
+
+
+@pytest.mark.parametrize("name", [NAME, DROPLESS])
+def test_zero_shards_dense_weights_over_dp_x_ep_and_experts_over_dp(name):
+    """ZeRO over every device that replicates a weight: under expert(ep=4, dp=2, zero=3) a
+    dense weight (read whole by all 8 devices) is stored and updated in 8 shards over dp x
+    ep, an expert weight (already split over ep) in 8 shards: its experts over ep, each
+    expert's rows over dp. zero=1 leaves the storage as it was and shards the optimizer
+    state the same way."""
+    spec = models.get(name)
+    for stage in (1, 3):
+        trainer = jscaler.parallelize(
+            spec.init(0), spec.loss, optax.adam(1e-3), spec.batch(8, 0), devices=8,
+            plan=expert(ep=4, dp=2, zero=stage),
+        )  # fmt: skip
+        state = trainer.program.shardings()
+        params = {t.name: t for t in trainer.graph.params()}
+        names = list(params)
+        stored = dict(zip(names, leaves(state.params), strict=True))
+        mu = dict(zip(names, leaves(state.opt_state[0].mu), strict=True))  # adam's first moment
+        for i in (0, 1):
+            dense = f"blocks/{i}/attn/q_proj/kernel"
+            expert_weight = f"blocks/{i}/moe/w_up"
+            for table in (mu, stored) if stage == 3 else (mu,):
+                assert table[dense].spec == P("dp", "ep"), (stage, table[dense].spec)
+                assert table[expert_weight].spec == P("ep", "dp"), table[expert_weight]
+            for w in (dense, f"blocks/{i}/moe/router/kernel", expert_weight):
+                whole = params[w].shape
+                local = mu[w].shard_shape(whole)
+                assert math.prod(whole) == 8 * math.prod(local), (w, whole, local)
+        if stage == 1:
+            assert stored["blocks/0/attn/q_proj/kernel"].spec == P()
+            assert stored["blocks/0/moe/w_up"].spec == P("ep")
+
+
+def test_zero_without_dp_shards_the_dense_weights_over_ep():
+    plan = expert(ep=4, tp=2, zero=1)(graph_of(NAME), 8)  # dp=1: ZeRO over ep alone
+    assert plan.mesh.shape == {"dp": 1, "ep": 4, "tp": 2}
 
 
 def test_a_model_without_experts_is_refused():
