@@ -53,6 +53,8 @@ __all__ = [
     "MoEDecoder",
     "loss",
     "synthetic_batch",
+    "expert_load",
+    "expert_skew",
 ]
 
 GATINGS = ("softmax", "sigmoid")
@@ -333,3 +335,39 @@ def loss(model: MoEDecoder, batch: dict[str, jax.Array]) -> jax.Array:
 def synthetic_batch(cfg: MoEConfig, batch_size: int, seed: int = 0) -> dict[str, jax.Array]:
     """Token batches from :func:`models.gpt.synthetic_batch`'s fixed Markov chain."""
     return gpt.synthetic_batch(cfg.attention(), batch_size, seed)
+
+
+def expert_load(model: MoEDecoder, batch: dict[str, jax.Array]) -> jax.Array:
+    """The (token, choice) rows the model's own routers send to each expert on ``batch``:
+    ``[n_layers, n_experts]`` (before a capacity dispatch drops any)."""
+    x = model.embed(batch["tokens"])
+    counts = []
+    for block in model.blocks:
+        x = x + block.attn(block.norm1(x))
+        h = block.norm2(x)
+        _, experts, _ = block.moe.route(h.reshape(-1, h.shape[-1]))
+        counts.append(jnp.sum(jax.nn.one_hot(experts, model.cfg.n_experts), axis=(0, 1)))
+        y, _ = block.moe(h)
+        x = x + y
+    return jnp.stack(counts)
+
+
+def expert_skew(model: MoEDecoder, batch: dict[str, jax.Array], ep: int) -> float:
+    """The router's load imbalance as expert parallelism over ``ep`` devices meets it:
+    per layer, the rows the busiest device's ``n_experts / ep`` experts receive over the
+    mean, averaged over the layers (each layer waits for its busiest device; the layers
+    add up). 1.0 is balanced, ``ep`` puts every row on one device. Pass it to
+    ``jscaler.estimate(..., expert_skew=)``: dropless dispatch's time follows it, a
+    capacity dispatch's does not (it drops the excess instead).
+
+    Example::
+
+        skew = expert_skew(nnx.merge(graphdef, params), batch, ep=4)
+        jscaler.estimate(plan, "h100_sxm", expert_skew=skew)
+    """
+    n = model.cfg.n_experts
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or n % ep:
+        raise ValueError(f"expert_skew: ep must be a positive divisor of {n} experts, got {ep!r}")
+    per_device = expert_load(model, batch).reshape(-1, ep, n // ep).sum(axis=-1)
+    busiest = per_device.max(axis=-1) / per_device.mean(axis=-1)
+    return float(busiest.mean())

@@ -14,6 +14,11 @@ gradient (2) and storage (3) over the devices that replicate it: a dense weight 
 x ep`` (8 shards under ``ep=4, dp=2``), an expert weight, already split over ``ep``,
 further over ``dp``; with ``dp=1`` ZeRO runs over ``ep`` alone.
 
+Load imbalance: a dropless step waits for the device whose experts the router sends most
+rows; ``models.moe.expert_skew`` measures that on a batch and
+``jscaler.estimate(..., expert_skew=)`` charges it. A capacity dispatch's time does not
+depend on it (it drops the excess).
+
 Dropless dispatch (``models/moe.py``'s ``"dropless"``, MegaBlocks', tunix's Gemma 4):
 the (token, choice) rows are sorted by expert over the whole batch and multiplied with
 ``ragged_dot``. The sort needs every row, so the rows are gathered on every device; each

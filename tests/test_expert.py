@@ -169,3 +169,19 @@ def test_experts_named_by_a_glob(name):
     assert sorted(named) == sorted(expert_axes(graph))
     with pytest.raises(jscaler.PlanError, match="no parameter name matches"):
         expert(ep=2, experts="nothing/*")(graph, 8)
+
+
+@pytest.mark.parametrize("name, grows", [(DROPLESS, True), (NAME, False)])
+def test_expert_skew_slows_dropless_experts_only(name, grows):
+    """The busiest ep device's rows set a dropless step (its ragged_dots wait for it, up to
+    all rows on one device: skew ep); a capacity dispatch's expert matmuls have a fixed
+    size, so skew changes what it drops, not its time."""
+    plan = expert(ep=4, dp=2)(graph_of(name), 8)
+    compute = [jscaler.estimate(plan, "h100_sxm", expert_skew=s).compute for s in (1, 1.5, 2, 4, 8)]
+    if grows:
+        assert compute[0] < compute[1] < compute[2] < compute[3], compute
+        assert compute[3] == compute[4], "a device cannot hold more than every row"
+    else:
+        assert compute == [compute[0]] * 5, compute
+    with pytest.raises(ValueError, match="expert_skew must be a number >= 1"):
+        jscaler.estimate(plan, "h100_sxm", expert_skew=0.5)

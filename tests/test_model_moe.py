@@ -150,3 +150,25 @@ def test_a_1f1b_pipeline_matches_one_device_accumulating(name):
     want = reference_steps(spec.init(0), accumulated(spec.loss, 2), optax.sgd(LR), batches(spec))
     mm = compare(got, want)
     assert mm.ok, "\n".join(mm.lines[:10])
+
+
+def test_expert_skew_measures_the_routers_imbalance_per_ep_device():
+    """Routed rows per device's experts, busiest over mean: near 1 for moe-tiny's random
+    router, 1 on one device, and 2 for a router that sends every token to experts 0 and 1
+    (all-zero logits: top-k's ties go to the lowest indices), which at ep=2 puts every
+    row on one device and at ep=4 half of them."""
+    cfg = moe.tiny()
+    model = moe.MoEDecoder(cfg, rngs=nnx.Rngs(0))
+    batch = moe.synthetic_batch(cfg, 8)
+    load = moe.expert_load(model, batch)
+    assert load.shape == (cfg.n_layers, cfg.n_experts)
+    assert np.all(load.sum(axis=1) == 8 * cfg.seq_len * cfg.top_k)
+    assert moe.expert_skew(model, batch, ep=1) == 1.0
+    assert 1.0 < moe.expert_skew(model, batch, ep=2) < 1.1
+    assert 1.0 < moe.expert_skew(model, batch, ep=4) < 1.3
+    for block in model.blocks:
+        block.moe.router.kernel[...] = jnp.zeros_like(block.moe.router.kernel[...])
+    assert moe.expert_skew(model, batch, ep=2) == 2.0
+    assert moe.expert_skew(model, batch, ep=4) == 2.0
+    with pytest.raises(ValueError, match="positive divisor of 4"):
+        moe.expert_skew(model, batch, ep=3)

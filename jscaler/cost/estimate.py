@@ -6,6 +6,11 @@
   forward when recomputed. Its time is the roofline ``max(flops / (peak * efficiency),
   bytes / memory bandwidth)``, bytes being the op's inputs and outputs scaled the same way.
   A device's compute time is the sum over its sub-ops; the step takes the slowest device.
+  A ``ragged_dot`` split along its groups (the experts of a dropless MoE over ``ep``)
+  does work in proportion to its groups' rows, which the router decides: its pieces are
+  charged ``expert_skew`` times their even share (the busiest device's rows over the
+  mean, at most the split's ways), since the partial sums' reduction waits for the
+  busiest. A capacity dispatch's expert matmuls have a fixed size and no skew.
 * **Communication**: the plan's comm table (the collectives its layouts imply, the same
   table a test holds the compiled HLO to), each timed by :func:`collective_time` on the
   links its group spans. Gradient reductions of parameters happen once per step
@@ -212,6 +217,7 @@ def estimate(
     microbatches: int = 1,
     optimizer_slots: int = 0,
     algorithm: str = "ring",
+    expert_skew: float = 1.0,
 ) -> Estimate:
     """Predicts ``plan``'s training step on ``cluster`` (see the module doc).
 
@@ -220,7 +226,14 @@ def estimate(
       microbatches: gradient-accumulation steps; the graph is one micro-batch.
       optimizer_slots: fp32 values of optimizer state per parameter (SGD 0, momentum 1,
         Adam 2).
+      expert_skew: the router's load imbalance, the rows of the busiest device's experts
+        over the mean (1: balanced), assumed or measured (``models.moe.expert_skew``);
+        it scales the ``ragged_dot`` pieces split along their groups.
     """
+    if isinstance(expert_skew, bool) or not (
+        isinstance(expert_skew, int | float) and expert_skew >= 1
+    ):
+        raise ValueError(f"expert_skew must be a number >= 1 (1: balanced), got {expert_skew!r}")
     cl = get_cluster(cluster)
     peak = cl.peak(dtype)
     pg = plan.pgraph
@@ -231,7 +244,7 @@ def estimate(
     needs = needs_grad(g)
     recomputed = recomputed_ops(plan)
 
-    times = device_times(plan, cl, dtype, needs, recomputed)
+    times = device_times(plan, cl, dtype, needs, recomputed, expert_skew)
     fwd = {d: 0.0 for d in mesh.devices}
     bwd = dict(fwd)
     once = dict(fwd)  # optimizer-side ops: once per step, not per micro-batch
@@ -307,10 +320,13 @@ def flops_of(g, needs, recomputed, ops=None) -> tuple[float, float]:
     return model, hardware
 
 
-def device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed) -> dict:
+def device_times(
+    plan: Plan, cl: Cluster, dtype: str, needs, recomputed, expert_skew: float = 1.0
+) -> dict:
     """op id -> ({device: forward seconds}, {device: backward seconds}) on the roofline,
     recomputation counted in the backward; optimizer-side ops (gradient, update) under
-    their own ids, in the backward."""
+    their own ids, in the backward. ``expert_skew`` scales a ragged_dot's pieces split
+    along its groups (see the module doc)."""
     roof = cl.peak(dtype) * cl.efficiency
     pg = plan.pgraph
     g = pg.graph
@@ -323,10 +339,14 @@ def device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed) -> dict
         backward = _backward_multiple(op, needs, recomputed)
         nbytes = scale * moved[op.id]
         tree = plan.tree(op.id)
-        per = shares.get(tree)
+        group = _ragged_group_dim(op) if expert_skew != 1 else None
+        per = shares.get((tree, group))
         if per is None:
-            per = shares[tree] = tuple(
-                (leaf.device if leaf.device is not None else default, _share(tree, path))
+            per = shares[tree, group] = tuple(
+                (
+                    leaf.device if leaf.device is not None else default,
+                    _share(tree, path) * _busiest(tree, path, group, expert_skew),
+                )
                 for path, leaf in tree.leaves()
             )
         f, b = {}, {}
@@ -395,6 +415,28 @@ def _share(tree, path) -> float:
             share /= len(node.children)
         node = node.children[i]
     return share
+
+
+def _ragged_group_dim(op):
+    """The annotation dim of a ragged_dot's rhs group axis (its experts), or None."""
+    if op.primitive != "ragged_dot_general" or op.eqn is None or op.annotation is None:
+        return None
+    groups = op.eqn.params["ragged_dot_dimension_numbers"].rhs_group_dimensions
+    return op.annotation.inputs[1][groups[0]][0] if len(groups) == 1 else None
+
+
+def _busiest(tree, path, dim, skew: float) -> float:
+    """How much more than its even share the piece at ``path`` works when ``tree``
+    splits ``dim`` (a ragged_dot's groups) ``n`` ways and the busiest piece holds
+    ``skew`` times the mean rows: ``min(skew, n)``; 1 where ``dim`` is not split."""
+    if dim is None:
+        return 1.0
+    node, ways = tree, 1
+    for i in path:
+        if node.algo == "split" and node.dim == dim:
+            ways *= len(node.children)
+        node = node.children[i]
+    return min(skew, ways)
 
 
 def needs_grad(g) -> set[int]:
