@@ -109,3 +109,32 @@ def test_coshard_keeps_one_piece_of_a_recomputed_layer():
     assert acts["coshard"] < acts["megatron"]
     # without recomputation, the coshard region keeps only its inputs
     assert acts["coshard alone"] < acts["megatron alone"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_backend_without_reduce_scatter_writes_zero3_gradients_whole(gpt, stage):
+    """XLA's CPU backend all-reduces ZeRO gradients and slices them: under ZeRO-3 the
+    reduction writes a second whole gradient (measured: docs/cost-model.md), under ZeRO-2
+    it reuses its operand's buffer; a backend with a reduce-scatter writes the slice."""
+    spec, batch = gpt
+    trainer = jscaler.parallelize(
+        spec.init(0), spec.loss, optax.sgd(0.1), batch, devices=8, plan=zero(stage=stage)
+    )
+    cpu = get_cluster("cpu")
+    assert not cpu.reduce_scatter and get_cluster("h100_sxm").reduce_scatter
+    without = estimate(trainer.plan, cpu).memory
+    native = estimate(trainer.plan, dataclasses.replace(cpu, reduce_scatter=True)).memory
+    if stage == 2:
+        assert without == native
+        return
+    whole, sliced = without["grads"], without["grads"] / 8
+
+    # the reduction phase: the unreduced gradients plus the reduction's output
+    def working(m):
+        return m["total"] - m["params"] - m["optimizer"] - m["batch"]
+
+    assert working(without) == pytest.approx(max(without["activations"], 2 * whole), rel=1e-6)
+    assert working(native) == pytest.approx(max(native["activations"], whole + sliced), rel=1e-6)
+    peak = trainer.compiled(batch).memory_analysis()
+    measured = peak.argument_size_in_bytes + peak.temp_size_in_bytes
+    assert abs(without["total"] / measured - 1) < 0.05 < abs(native["total"] / measured - 1)

@@ -484,15 +484,19 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster) -> dict:
 
 def reduced_bytes(low, t: int, cl: Cluster) -> float:
     """Bytes (per device, before dtype scaling) the reduction of parameter ``t``'s
-    gradient writes: its reduced layout's, or on a backend without a reduce-scatter
-    (``cl.reduce_scatter``; XLA's CPU backend all-reduces, then slices) the whole
-    unreduced gradient's where the reduction would scatter it."""
+    gradient writes: its reduced layout's; or, on a backend without a reduce-scatter
+    (``cl.reduce_scatter``: XLA's CPU backend all-reduces, then slices), the whole
+    gradient's where the parameter is stored sharded and gathered for the forward (ZeRO-3,
+    whose gradients leave the resharded layers through optimization barriers). Measured on
+    XLA CPU: ZeRO-3's all-reduce writes a second whole copy; ZeRO-2's (a replicated
+    parameter) reuses its operand's buffer, so only the reduced slice is new."""
     g = low.plan.pgraph.graph
     sizes = low.plan.mesh.shape
     out = local_bytes(g, t, low.grad[t], sizes)
     if cl.reduce_scatter:
         return out
-    return max(out, local_bytes(g, t, unreduced_grad(low, t), sizes))
+    whole = local_bytes(g, t, unreduced_grad(low, t), sizes)
+    return whole if local_bytes(g, t, low.storage[t], sizes) < whole else out
 
 
 def unreduced_grad(low, t: int) -> Layout:
