@@ -12,7 +12,15 @@ import schedules  # noqa: F401  (registers the schedules the search tries)
 import spaces  # noqa: F401  (registers every space's settings)
 from jscaler.cli.common import abstract_model
 from jscaler.cost import estimate, estimate_pipeline
-from jscaler.search import Candidate, search
+from jscaler.search import (
+    Candidate,
+    build_problem,
+    fits_at_all,
+    intra_op,
+    search,
+    shared_solves,
+    solve,
+)
 from spaces import SPACES
 from spaces.grid import NOT_SEARCHED, knob_settings
 
@@ -214,3 +222,53 @@ def test_auto_trains_equal_to_one_device(model):
     SGD to the single-device losses, gradients and parameters (tests.parity's fp32
     tolerance)."""
     assert_parity(model, "auto")
+
+
+def test_one_search_solves_the_same_ilp_problem_once(tmp_path, monkeypatch):
+    """Inside shared_solves (every joint search), an intra_op on the same graph, mesh and
+    knobs as an earlier one (its mesh written out or not, cached or not) returns the
+    earlier plan; outside, it solves again, to an equal plan."""
+    monkeypatch.setenv("JSCALER_CACHE_DIR", str(tmp_path))
+    graph = graph_of("gpt-tiny", 1)
+    written = intra_op({"d": N}, CLUSTER, cache=False, recompute=1)
+    implied = intra_op(None, CLUSTER, cache=True, recompute=1)
+    with shared_solves():
+        first = written(graph, N)
+        assert implied(graph, N) is first
+        assert intra_op({"d": N}, CLUSTER, cache=False)(graph, N) is not first  # other knobs
+    again = written(graph, N)
+    assert again is not first and again == first
+
+
+def test_a_problem_nothing_fits_fails_before_its_edges_as_the_solver_would():
+    """The solver counts memory in KiB (each cluster's bytes rounded): the leanest
+    choice's KiB is the least capacity that fits; below it, building fails fast with the
+    solver's error, above it, CP-SAT finds a plan."""
+    graph = graph_of("gpt-tiny", 1)
+    mesh = jscaler.MeshSpec.create(d=N)
+    full = build_problem(graph, mesh, CLUSTER)
+    least = 1024 * sum(min(round(b / 1024) for b in row) for row in full.memory)
+    for capacity in (least / 2, least - 1024):
+        assert not fits_at_all(full.memory, capacity)
+        with pytest.raises(jscaler.PlanError, match="no plan on mesh d=8 fits") as solver:
+            solve(build_problem(graph, mesh, CLUSTER, capacity=capacity), time_limit=3.0)
+        with pytest.raises(jscaler.PlanError) as early:
+            build_problem(graph, mesh, CLUSTER, capacity=capacity, fail_fast=True)
+        assert str(early.value) == str(solver.value)
+    assert fits_at_all(full.memory, least)
+    tight = build_problem(graph, mesh, CLUSTER, capacity=least, fail_fast=True)
+    assert tight.edges == full.edges and tight.memory == full.memory
+    assert solve(tight, time_limit=3.0).status in ("OPTIMAL", "FEASIBLE")
+
+
+def test_the_winner_is_the_plan_its_candidate_makes_again():
+    """The search returns the winner as it was planned during the search (not planned a
+    second time): the same plan and prediction its candidate makes afresh."""
+    graph = graph_of("gpt-tiny", 1)
+    result = search(graph, N, cluster=CLUSTER, registered=False, cache=False)
+    name = result.best.name
+    cand = next(c for c in jscaler.search.builtin_candidates(graph, N, CLUSTER) if c.name == name)
+    knobs = dict(cluster=CLUSTER, capacity=result.capacity, dtype="fp32", optimizer_slots=0)
+    fresh = jscaler.search.candidates.tuned(cand.space, microbatches=1, **knobs)(graph, N)
+    assert fresh == result.plan
+    assert estimate(fresh, CLUSTER).step_time == result.estimate.step_time == result.best.step_time

@@ -13,6 +13,7 @@ Imports ``jscaler.cost``, ``jscaler.plan``, ``jscaler.compile`` and ``jscaler.ir
 
 from jscaler.search.auto import IntraOp as IntraOp
 from jscaler.search.auto import intra_op as intra_op
+from jscaler.search.auto import shared_solves as shared_solves
 from jscaler.search.candidates import Candidate as Candidate
 from jscaler.search.candidates import StagedILP as StagedILP
 from jscaler.search.candidates import builtin_candidates as builtin_candidates
@@ -31,6 +32,7 @@ from jscaler.search.order import OrderResult as OrderResult
 from jscaler.search.order import search_order as search_order
 from jscaler.search.problem import Problem as Problem
 from jscaler.search.problem import build_problem as build_problem
+from jscaler.search.problem import fits_at_all as fits_at_all
 from jscaler.search.problem import objective as objective
 from jscaler.search.propagate import propagate as propagate
 from jscaler.search.stages import best_split as best_split

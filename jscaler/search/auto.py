@@ -4,6 +4,10 @@ Searched plans are cached as plan JSON under ``<cache_dir>/plans/``, keyed by th
 fingerprint, the mesh, the cluster spec and the search's knobs: the same inputs load the
 same plan on every host without solving again (``cache=False`` always solves). Files are
 written atomically (temporary file, then rename), so a killed run leaves none half-made.
+
+Inside :func:`shared_solves` (one joint search), an ``intra_op`` given the same graph
+object, mesh and knobs as an earlier one returns that plan without solving again (Alpa's
+one-stage plan is the engine's ILP with recompute).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from jscaler.cost.cluster import Cluster
@@ -24,7 +31,21 @@ from jscaler.plan.plan import Plan
 from jscaler.search.ilp import solve, to_plan
 from jscaler.search.problem import build_problem
 
-__all__ = ["IntraOp", "intra_op", "write_atomically"]
+__all__ = ["IntraOp", "intra_op", "shared_solves", "write_atomically"]
+
+# (graph id, mesh, knobs) -> (graph, plan) while a shared_solves() block runs
+_SOLVED: ContextVar[dict | None] = ContextVar("jscaler_intra_op_solved", default=None)
+
+
+@contextmanager
+def shared_solves() -> Iterator[None]:
+    """Within it, an ``intra_op`` on the same graph object, mesh and knobs as an earlier
+    one (cache or not) returns the earlier plan instead of solving the same problem again."""
+    token = _SOLVED.set({})
+    try:
+        yield
+    finally:
+        _SOLVED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -45,6 +66,16 @@ class IntraOp:
             raise PlanError(
                 f"intra_op(mesh={axes}) spans {mesh.size} devices; {n_devices} were given"
             )
+        solved = _SOLVED.get()
+        key = (id(graph), mesh, dataclasses.replace(self, mesh=(), cache=False))
+        if solved is not None and key in solved:
+            return solved[key][1]
+        plan = self._solve(graph, mesh)
+        if solved is not None:
+            solved[key] = (graph, plan)  # the graph kept alive: its id stays its own
+        return plan
+
+    def _solve(self, graph: Graph, mesh: MeshSpec) -> Plan:
         path = self._cache_path(graph, mesh) if self.cache else None
         if path is not None and path.is_file():
             try:
@@ -59,6 +90,7 @@ class IntraOp:
             capacity=self.capacity if self.capacity is not None else _memory(self.cluster),
             optimizer_slots=self.optimizer_slots,
             recompute=self.recompute,
+            fail_fast=True,
         )
         sol = solve(problem, time_limit=self.time_limit)
         shape = ", ".join(f"{a}={s}" for a, s in mesh.axes)

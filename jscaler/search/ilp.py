@@ -19,12 +19,11 @@ from jscaler.errors import PlanError
 from jscaler.plan.helpers import assign_mesh, shard_dim, split_ops
 from jscaler.plan.pieces import op_pieces
 from jscaler.plan.plan import Plan
-from jscaler.search.problem import Problem, objective
+from jscaler.search.problem import KB, Problem, fits_at_all, no_fit, objective
 
 __all__ = ["Solution", "brute_force", "explain", "solve", "to_plan"]
 
 NS = 1e9  # objective unit: nanoseconds
-KB = 1024  # memory unit
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,8 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
     from ortools.sat.python import cp_model
 
     start = time.perf_counter()
+    if p.capacity is not None and not fits_at_all(p.memory, p.capacity):
+        raise no_fit(p.mesh, p.capacity, p.memory)  # what CP-SAT finds, without building it
     m = cp_model.CpModel()
     x = [[m.new_bool_var(f"x{c}_{s}") for s in range(len(st))] for c, st in enumerate(p.strategies)]
     for row in x:
@@ -86,13 +87,7 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
         secs, mem = objective(p, list(choice))
         return Solution(choice, secs, mem, solver.status_name(status), wall)
     if status == cp_model.INFEASIBLE:
-        least = sum(min(row) for row in p.memory)
-        raise PlanError(
-            f"no plan on mesh {p.mesh} fits {p.capacity / 2**30:.2f} GiB per device: the "
-            f"least memory any strategy choice needs is {least / 2**30:.2f} GiB (activations "
-            f"kept for the backward pass and parameter state); add devices, recompute, or "
-            f"use pipeline stages"
-        )
+        raise no_fit(p.mesh, p.capacity, p.memory)
     choice = _greedy(p)
     secs, mem = objective(p, list(choice))
     return Solution(choice, secs, mem, "GREEDY", wall)

@@ -38,7 +38,7 @@ from jscaler.errors import JscalerError, PlanError
 from jscaler.ir.graph import Graph
 from jscaler.plan.helpers import recomputed_layers
 from jscaler.plan.kind import AnyPlan
-from jscaler.search.auto import SEARCH_VERSION, write_atomically
+from jscaler.search.auto import SEARCH_VERSION, shared_solves, write_atomically
 from jscaler.search.candidates import (
     Candidate,
     builtin_candidates,
@@ -244,11 +244,15 @@ def search(
             )  # fmt: skip
         except (PlanError, ValueError, KeyError, TypeError):
             pass  # stale or unreadable: search again and overwrite it
-    rows, stopped = _run(
-        cands, offered, graph_of, n_devices, knobs, schedules, time_limit, progress, start
-    )
-    ranked = tuple(sorted(rows, key=_rank))
-    plan, est = _rebuild(ranked, cands, graph_of, n_devices, knobs, schedules)
+    with shared_solves():
+        rows, stopped, kept = _run(
+            cands, offered, graph_of, n_devices, knobs, schedules, time_limit, progress, start
+        )
+        ranked = tuple(sorted(rows, key=_rank))
+        if kept is not None and ranked and kept[0] is ranked[0]:
+            plan, est = kept[1], kept[2]  # the winner as it was planned: not planned again
+        else:
+            plan, est = _rebuild(ranked, cands, graph_of, n_devices, knobs, schedules)
     if path is not None and not stopped:
         write_atomically(path, json.dumps({"rows": [dataclasses.asdict(r) for r in ranked]}))
     return SearchResult(
@@ -305,6 +309,7 @@ def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, st
     rows: list[Row] = []
     fits: dict[str, bool] = {}
     best = float("inf")
+    kept = None  # (row, plan, estimate) of the best-ranked fitting row so far
     stopped = ""
     from tqdm import tqdm
 
@@ -329,29 +334,34 @@ def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, st
                 rows.append(Row(c.name, m, note=f"pruned: bound {bound(c, m) * 1e3:.3f} ms"))
                 continue
             made = _evaluate(c, m, graph_of(m), n, knobs, schedules)
-            rows.extend(made)
-            for r in made:
+            rows.extend(r for r, _, _ in made)
+            for r, plan_s, est in made:
                 if r.fits:
                     best = min(best, r.step_time)
+                    if kept is None or _rank(r) < _rank(kept[0]):
+                        kept = (r, plan_s, est)
+            made = [r for r, _, _ in made]
             fits[c.name] = fits.get(c.name, False) or any(r.fits for r in made)
             if spmd_retry and (fits[c.name] or not any(r.predicted for r in made)):
                 break  # an SPMD plan tries more micro-batches only to fit
         if stopped:
             break
-    return rows, stopped
+    return rows, stopped, kept
 
 
 def _pruned_state(state: float, shards: int) -> str:
     return f"pruned: model state {state / shards / 2**30:.1f} GiB per device at the least"
 
 
-def _evaluate(c: Candidate, m, graph, n, knobs, schedules) -> list[Row]:
+def _evaluate(c: Candidate, m, graph, n, knobs, schedules) -> list[tuple]:
+    """(row, plan, estimate) per schedule (plan and estimate None where not predicted)."""
     t0 = time.perf_counter()
     try:
         plan = tuned(c.space, microbatches=m, **knobs)(graph, n)
     except PlanError as e:
         reason = str(e).split(";")[0][:80]
-        return [Row(c.name, m, note=f"cannot apply: {reason}", seconds=time.perf_counter() - t0)]
+        row = Row(c.name, m, note=f"cannot apply: {reason}", seconds=time.perf_counter() - t0)
+        return [(row, None, None)]
     planned = time.perf_counter() - t0
     solver = plan.__dict__.get("search")
     note = ""
@@ -364,15 +374,15 @@ def _evaluate(c: Candidate, m, graph, n, knobs, schedules) -> list[Row]:
             est = _predict(plan_s, m, knobs)
         except JscalerError as e:  # a schedule this plan or count does not allow
             reason = str(e).split(";")[0][:80]
-            out.append(Row(c.name, m, sched, plan_s.name, note=f"cannot apply: {reason}"))
+            row = Row(c.name, m, sched, plan_s.name, note=f"cannot apply: {reason}")
+            out.append((row, None, None))
             continue
-        out.append(
-            Row(
-                c.name, m, sched, plan_s.name, est.step_time, est.memory["total"],
-                est.comm_bytes, est.compute, est.exposed_comm, est.bubble,
-                est.memory["total"] <= knobs["capacity"], time.perf_counter() - t1, note,
-            )
+        row = Row(
+            c.name, m, sched, plan_s.name, est.step_time, est.memory["total"],
+            est.comm_bytes, est.compute, est.exposed_comm, est.bubble,
+            est.memory["total"] <= knobs["capacity"], time.perf_counter() - t1, note,
         )  # fmt: skip
+        out.append((row, plan_s, est))
     return out
 
 

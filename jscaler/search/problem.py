@@ -46,13 +46,22 @@ from jscaler.cost.estimate import (
     saved_for_backward,
     value_scale,
 )
+from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph, Literal, Op
 from jscaler.plan.helpers import recomputed_layers, shard_dim
 from jscaler.plan.mesh import MeshSpec
 
-__all__ = ["Problem", "Strategy", "build_problem", "objective"]
+__all__ = [
+    "Problem",
+    "Strategy",
+    "build_problem",
+    "fits_at_all",
+    "no_fit",
+    "objective",
+]
 
 Strategy = tuple  # per mesh axis: a dim name or None
+KB = 1024  # the solver's memory unit
 
 
 @dataclass
@@ -161,11 +170,14 @@ def build_problem(
     algorithm: str = "ring",
     zero: bool = True,
     recompute: float = 0,
+    fail_fast: bool = False,
 ) -> Problem:
     """The search problem of ``graph`` on ``mesh`` (see the module doc); ``zero``: offer
     ZeRO-2 for the parameters an op reads whole (each op's strategies twice);
     ``recompute``: the fraction of repeated layers checkpointed (their ops run forward
-    twice and keep only the layer's inputs)."""
+    twice and keep only the layer's inputs); ``fail_fast``: raise the solver's
+    :func:`no_fit` error before pricing the edges (most of the building) when even every
+    cluster's leanest strategy exceeds ``capacity``, as the solver would find."""
     cl = get_cluster(cluster)
     roof = cl.peak(dtype) * cl.efficiency
     sizes = mesh.shape
@@ -279,6 +291,8 @@ def build_problem(
         zeros.append([z for _, z in strats])
         for k, table in enumerate((node, hidden, backward, memory)):
             table.append([sum(c[k] for c in cs) for cs in costs])
+    if fail_fast and capacity is not None and not fits_at_all(memory, capacity):
+        raise no_fit(mesh, capacity, memory)
 
     edges: dict[tuple[int, int], list[list[float]]] = {}
     for op in graph.ops:
@@ -325,6 +339,25 @@ def build_problem(
         graph, mesh, cl, clusters, strategies, node, hidden, backward, memory, edges, capacity,
         zeros,
     )  # fmt: skip
+
+
+def fits_at_all(memory: list[list[float]], capacity: float) -> bool:
+    """Whether some strategy choice meets the solver's memory constraint, in its units
+    (each cluster's bytes rounded to KiB, the capacity's KiB rounded down): the clusters'
+    leanest strategies together."""
+    return sum(min(round(b / KB) for b in row) for row in memory) <= int(capacity // KB)
+
+
+def no_fit(mesh: MeshSpec, capacity: float, memory: list[list[float]]) -> PlanError:
+    """The error of a problem no strategy choice fits (``memory``: bytes per cluster
+    and strategy)."""
+    least = sum(min(row) for row in memory)
+    return PlanError(
+        f"no plan on mesh {mesh} fits {capacity / 2**30:.2f} GiB per device: the "
+        f"least memory any strategy choice needs is {least / 2**30:.2f} GiB (activations "
+        f"kept for the backward pass and parameter state); add devices, recompute, or "
+        f"use pipeline stages"
+    )
 
 
 def _whole(shape) -> Layout:
