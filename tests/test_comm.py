@@ -69,6 +69,8 @@ AGREE = {
     ("convnet-tiny", "dp"): dp(),
     ("convnet-tiny", "zero(2)"): zero(2),
     ("gpt-tiny", "ring(sp=8)"): ring(sp=8),
+    # a tied embedding (lookups and LM head) gathered once for its three readers
+    ("t5-tiny", "zero(3)"): zero(3),
 }
 
 

@@ -183,6 +183,12 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
             rows.append(Transfer(phase, kind, t, path, tuple(axes), int(nbytes), times))
 
     # ---- forward: reductions at producers, conversions at consumers ------------------
+    # a weight (a tied embedding read by the lookup and the LM head) converted to the same
+    # layout by several ops is converted once in the forward: XLA merges the identical
+    # collectives on one parameter (the recomputed forward converts it again); an
+    # activation's conversions stay one per consumer, as XLA leaves them
+    weights = from_params_only(g)
+    converted = set()
     for op in g.ops:
         region = lowered.regions.get(op.id)
         if region is not None and not region.layout_driven:
@@ -199,8 +205,13 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
             seen.add((x, lay))
             shape, isz = info(x)
             again = [("recompute", m)] if x in regathered and op.id not in recomputed else []
+            todo = phases + again
+            if x in weights:
+                if (x, lay) in converted:
+                    todo = [p for p in todo if p[0] != "forward"]
+                converted.add((x, lay))
             for kind, axes, nbytes in convert(shape, isz, producer_layout[x], lay, sizes):
-                for phase, times in phases + again:
+                for phase, times in todo:
                     add(phase, kind, x, op.path, axes, nbytes, times)
         for t, lay in zip(op.outputs, lays.outputs):
             final = output_layout(lowered, op, t, lay)
@@ -291,3 +302,15 @@ def _differentiable(g) -> set[int]:
                 if jnp.issubdtype(jnp.dtype(g.tensors[t].dtype), jnp.inexact):
                     needs.add(t)
     return needs
+
+
+def from_params_only(g) -> set[int]:
+    """The parameters and the tensors computed from parameters alone (a norm's scale
+    broadcast, a cast weight): a reduction of their gradient is a parameter-gradient
+    reduction, independent of the rest of the backward pass."""
+    out = {p.id for p in g.params()}
+    for op in g.ops:
+        ins = [t for t in op.tensor_inputs]
+        if ins and all(t in out for t in ins):
+            out.update(op.outputs)
+    return out

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 
-from jscaler.compile.comm import NON_DIFFERENTIABLE, comm_table
+from jscaler.compile.comm import NON_DIFFERENTIABLE, comm_table, from_params_only
 from jscaler.compile.layout import Layout
 from jscaler.compile.lower import lower
 from jscaler.compile.reshard import reshard_units
@@ -296,18 +296,6 @@ def estimate(
         hardware * m,
         peak,
     )
-
-
-def from_params_only(g) -> set[int]:
-    """The parameters and the tensors computed from parameters alone (a norm's scale
-    broadcast, a cast weight): a reduction of their gradient is a parameter-gradient
-    reduction, independent of the rest of the backward pass."""
-    out = {p.id for p in g.params()}
-    for op in g.ops:
-        ins = [t for t in op.tensor_inputs]
-        if ins and all(t in out for t in ins):
-            out.update(op.outputs)
-    return out
 
 
 def flops_of(g, needs, recomputed, ops=None) -> tuple[float, float]:

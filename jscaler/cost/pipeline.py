@@ -26,7 +26,7 @@ import math
 
 import jax.numpy as jnp
 
-from jscaler.compile.comm import comm_table
+from jscaler.compile.comm import comm_table, from_params_only
 from jscaler.compile.lower import lower
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import Combined, collective_time
@@ -34,7 +34,6 @@ from jscaler.cost.estimate import (
     Estimate,
     device_times,
     flops_of,
-    from_params_only,
     local_bytes,
     memory_breakdown,
     needs_grad,
