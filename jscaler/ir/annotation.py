@@ -145,7 +145,11 @@ class Annotation:
 
     def splittable(self) -> tuple[str, ...]:
         """Dims that can be split: kind '' or '+', and first in every group they appear in."""
-        return tuple(d for d in self.dims if self.kinds[d] != "^" and self._leads_groups(d))
+        found = self.__dict__.get("_splittable")  # asked per sub-op by the planners: once
+        if found is None:
+            found = tuple(d for d in self.dims if self.kinds[d] != "^" and self._leads_groups(d))
+            object.__setattr__(self, "_splittable", found)
+        return found
 
     def _leads_groups(self, name: str) -> bool:
         return all(ax[0] == name for t in self.inputs + self.outputs for ax in t if name in ax)
