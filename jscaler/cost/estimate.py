@@ -156,14 +156,18 @@ def _bwd_factor(op, needs) -> float:
     return 2.0 if op.primitive in CONTRACTIONS else 1.0
 
 
-def saved_for_backward(graph, recomputed: Mapping[int, object] | None = None) -> set[int]:
+def saved_for_backward(
+    graph, recomputed: Mapping[int, object] | None = None, views: bool = False
+) -> set[int]:
     """Forward values the backward pass reads: inputs of non-linear consumers, outputs of
     ops whose derivative is their output (exp, tanh, logistic, sqrt, rsqrt), and of ops
     some gradient flows through. ``recomputed`` maps op id -> its recomputed group (see
     :func:`recompute_groups`): a value made and read inside one group is not kept (the
     backward reruns the group from its inputs); the group's inputs and the values it makes
-    for readers outside it are. Parameters, and views of them (:data:`PARAM_VIEWS`), are
-    not activations."""
+    for readers outside it are. Parameters are not activations, nor (unless ``views``)
+    views of them (:data:`PARAM_VIEWS`): in one compiled step XLA folds the view into the
+    matmul reading it, but a pipeline stage's forward program returns it among its
+    residuals, a copy per micro-batch in flight."""
     own_output = {"exp", "tanh", "logistic", "sqrt", "rsqrt", "exp2"}
     needs = needs_grad(graph)
     groups = recomputed or {}
@@ -191,7 +195,8 @@ def saved_for_backward(graph, recomputed: Mapping[int, object] | None = None) ->
     return {
         t
         for t in saved
-        if graph.tensors[t].role == "value" and graph.param_behind(t, PARAM_VIEWS) is None
+        if graph.tensors[t].role == "value"
+        and (views or graph.param_behind(t, PARAM_VIEWS) is None)
     }
 
 

@@ -285,7 +285,7 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, cl)
     batch = sum(
         size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch" and t in read
     )
-    saved = saved_for_backward(g, recompute_groups(gp))
+    saved = saved_for_backward(g, recompute_groups(gp), views=True)
     flight = sched.in_flight()
     acts = 0.0
     for s in stages:
