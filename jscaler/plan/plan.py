@@ -153,13 +153,17 @@ class Region:
 
 def graph_fingerprint(graph: Graph) -> str:
     """A stable hash of what a plan depends on: ops, annotations, shapes, param names."""
-    h = hashlib.sha256()
-    for o in graph.ops:
-        h.update(f"{o.id}:{o.primitive}:{o.annotation}:{o.path};".encode())
-    for i in graph.inputs:
-        t = graph.tensors[i]
-        h.update(f"{t.role}:{t.name}:{t.shape}:{t.dtype};".encode())
-    return h.hexdigest()[:16]
+    found = graph.__dict__.get("_fingerprint")  # every plan made on a graph asks: once
+    if found is None:
+        h = hashlib.sha256()
+        for o in graph.ops:
+            h.update(f"{o.id}:{o.primitive}:{o.annotation}:{o.path};".encode())
+        for i in graph.inputs:
+            t = graph.tensors[i]
+            h.update(f"{t.role}:{t.name}:{t.shape}:{t.dtype};".encode())
+        found = h.hexdigest()[:16]
+        object.__setattr__(graph, "_fingerprint", found)
+    return found
 
 
 @dataclass(frozen=True, eq=False)
