@@ -12,13 +12,17 @@ in the ILP (solve one, reuse); a candidate whose model state cannot fit however 
 is pruned unplanned, and so is one whose lower bound (every op's roofline time at its
 whole size, its recomputed layers' forward again, over every device:
 :func:`jscaler.cost.estimate.roofline_seconds`) is not below the best step found,
-candidates being tried in order of that bound; each ILP has a solver time limit
+candidates being tried in order of that bound; an ILP problem met twice (Alpa's one-stage
+plan is the engine's ILP with recompute) is solved once
+(:func:`jscaler.search.shared_solves`), and one no strategy choice fits fails before its
+edges are priced; each ILP has a solver time limit
 (its FEASIBLE answer is the best it found, and the row says so); ``time_limit`` caps the
 whole search and returns the best so far, saying so. Same inputs, same result: the order is
-fixed and CP-SAT runs deterministically. Results are cached: the table of every candidate's
-prediction under ``<cache_dir>/plans/auto-*.json``, keyed by the graphs, devices, cluster,
-capacity, dtype, optimizer slots, the candidates' names and the search version; a cached
-search rebuilds only the winner.
+fixed and CP-SAT runs deterministically; the winner is returned as it was planned. Results
+are cached: the table of every candidate's prediction under
+``<cache_dir>/plans/auto-*.json``, keyed by the graphs, devices, cluster, capacity, dtype,
+optimizer slots, the candidates' names and the search version; a cached search rebuilds
+only the winner.
 """
 
 from __future__ import annotations
