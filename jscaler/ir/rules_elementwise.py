@@ -97,10 +97,17 @@ def cumulative(eqn):
 
 @builtin_rule("sort")
 def sort(eqn):
+    """The sorted axis is '^' and its output is another axis than its input: position i of
+    the result is not position i of the operand (a permutation of it), so what is split
+    along the operand's axis (the batch, for tokens sorted by expert) is not split along
+    the result's. Every other axis splits freely, in and out alike."""
     ins, outs = shapes(eqn)
     nm = Namer()
-    dims = [nm.new("^") if i == eqn.params["dimension"] else nm.new() for i in range(len(ins[0]))]
-    return nm.build([dims] * len(ins), [dims] * len(outs))
+    axis = eqn.params["dimension"]
+    dims = [nm.new("^") if i == axis else nm.new() for i in range(len(ins[0]))]
+    out = list(dims)
+    out[axis] = nm.new("^")
+    return nm.build([dims] * len(ins), [out] * len(outs))
 
 
 @builtin_rule("top_k", "approx_top_k")
