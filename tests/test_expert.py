@@ -10,6 +10,7 @@ load-balancing loss is per micro-batch).
 
 from __future__ import annotations
 
+import json
 import math
 
 import optax
@@ -183,8 +184,27 @@ def test_expert_skew_slows_dropless_experts_only(name, grows):
         assert compute[3] == compute[4], "a device cannot hold more than every row"
     else:
         assert compute == [compute[0]] * 5, compute
-    with pytest.raises(ValueError, match="expert_skew must be a number >= 1"):
+    with pytest.raises(jscaler.PlanError, match="expert_skew must be a number >= 1"):
         jscaler.estimate(plan, "h100_sxm", expert_skew=0.5)
+
+
+def test_expert_skew_reaches_a_pipelines_estimate_and_the_cli(capsys):
+    """A trainer's estimate (here a 2-stage pipeline of expert stages) and ``jscaler plan
+    --expert-skew`` take the skew as jscaler.estimate does."""
+    from jscaler.cli import main
+
+    trainer, _ = run_plan(DROPLESS, expert(ep=2, pp=2), microbatches=2, steps=0)
+    times = [trainer.estimate("h100_sxm", expert_skew=s).compute for s in (1, 2)]
+    assert times[0] < times[1], times
+    steps = []
+    for skew in ("1", "2"):
+        argv = ["plan", "--model", DROPLESS, "--plan", "expert(ep=4, dp=2)", "--devices", "8"]
+        assert main([*argv, "--cluster", "h100_sxm", "--expert-skew", skew, "--json"]) == 0
+        steps.append(json.loads(capsys.readouterr().out)["plans"][0]["step_ms"])
+    assert steps[0] < steps[1], steps
+    with pytest.raises(SystemExit):
+        main([*argv, "--expert-skew", "0.5"])
+    assert "--expert-skew: must be at least 1" in capsys.readouterr().err
 
 
 def test_dropless_dp_moves_no_more_than_plain_dp():

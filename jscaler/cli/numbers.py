@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["count", "non_negative_float", "positive_int"]
+__all__ = ["at_least_one", "count", "non_negative_float", "positive_int"]
 
 
 def _int(text: str) -> int:
@@ -39,4 +39,12 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not x >= 0 or x == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return x
+
+
+def at_least_one(text: str) -> float:
+    """A finite float >= 1 (a ratio such as a load imbalance, 1 meaning none)."""
+    x = non_negative_float(text)
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (1: balanced), got {text}")
     return x

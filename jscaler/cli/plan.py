@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from jscaler.cli.common import abstract_model
-from jscaler.cli.numbers import count, non_negative_float, positive_int
+from jscaler.cli.numbers import at_least_one, count, non_negative_float, positive_int
 
 
 def register(sub) -> None:
@@ -77,6 +77,14 @@ def register(sub) -> None:
         help="auto: why the winner beat the runner-up (time, memory, bytes) and the best "
         "candidates; with --mesh: the searched plan's splits",
     )
+    pl.add_argument(
+        "--expert-skew",
+        type=at_least_one,
+        default=1.0,
+        help="a mixture-of-experts router's load imbalance: the busiest expert-parallel "
+        "device's rows over the mean (default 1, balanced); scales the dropless experts' "
+        "ragged_dots split over ep",
+    )
     pl.add_argument("--json", action="store_true", help="print the predictions as JSON")
     pl.set_defaults(run=_plan_cmd)
 
@@ -136,7 +144,11 @@ def _plan_cmd(args) -> int:
             rows.append({"plan": expr, "error": str(e).split(";")[0]})
             continue
         took = time.perf_counter() - start
-        kw = {"dtype": args.dtype, "optimizer_slots": args.optimizer_slots}
+        kw = {
+            "dtype": args.dtype,
+            "optimizer_slots": args.optimizer_slots,
+            "expert_skew": args.expert_skew,
+        }
         m = 1
         if isinstance(plan, PipelinePlan):
             m = args.microbatches or 2 * plan.pipeline_groups

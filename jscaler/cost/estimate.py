@@ -52,6 +52,7 @@ from jscaler.compile.lower import lower
 from jscaler.compile.reshard import reshard_units
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import Combined, collective_time
+from jscaler.errors import PlanError
 from jscaler.ir.graph import Literal
 from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
@@ -238,7 +239,11 @@ def estimate(
     if isinstance(expert_skew, bool) or not (
         isinstance(expert_skew, int | float) and expert_skew >= 1
     ):
-        raise ValueError(f"expert_skew must be a number >= 1 (1: balanced), got {expert_skew!r}")
+        raise PlanError(
+            f"expert_skew must be a number >= 1 (the busiest expert-parallel device's rows "
+            f"over the mean; 1: balanced), got {expert_skew!r}; measure it with "
+            f"models.moe.expert_skew or leave it at 1"
+        )
     cl = get_cluster(cluster)
     peak = cl.peak(dtype)
     pg = plan.pgraph

@@ -72,9 +72,11 @@ def estimate_pipeline(
     dtype: str = "fp32",
     optimizer_slots: int = 0,
     algorithm: str = "ring",
+    expert_skew: float = 1.0,
 ) -> Estimate:
     """Predicts a pipeline plan's step (see the module doc); ``schedule``: a Schedule or
-    a function ``(groups, microbatches) -> Schedule`` (default the plan's own, else 1F1B)."""
+    a function ``(groups, microbatches) -> Schedule`` (default the plan's own, else 1F1B);
+    ``expert_skew``: the router's load imbalance, as :func:`jscaler.estimate` takes it."""
     cl = get_cluster(cluster)
     sched = _schedule(plan, schedule, microbatches)
     g = plan.graph
@@ -99,7 +101,7 @@ def estimate_pipeline(
         gp = group.plan
         low = low_of[gi] = lower(gp, None)
         recomputed = recomputed_ops(gp)
-        times = device_times(gp, cl, dtype, needs, recomputed)
+        times = device_times(gp, cl, dtype, needs, recomputed, expert_skew)
         mesh = gp.mesh
         stages = [s for s in range(sched.stages) if sched.placement[s] == gi]
 

@@ -356,20 +356,21 @@ class PipelineProgram:
 
     @staticmethod
     def predict(
-        plan: PipelinePlan, cluster, *, microbatches: int, precision: str, slots: int, schedule
-    ) -> Estimate:
+        plan: PipelinePlan, cluster, *, microbatches: int, precision: str, slots: int, schedule,
+        expert_skew: float = 1.0,
+    ) -> Estimate:  # fmt: skip
         """The cost model's step for ``plan`` under ``schedule`` (before anything is
         lowered); its ``timeline`` holds the blocks' spans."""
         dtype = "bf16" if precision == "bf16" else "fp32"
         return estimate_pipeline(
             plan, cluster, microbatches=microbatches, schedule=schedule, dtype=dtype,
-            optimizer_slots=slots,
+            optimizer_slots=slots, expert_skew=expert_skew,
         )  # fmt: skip
 
-    def estimate(self, cluster: str | Cluster) -> Estimate:
+    def estimate(self, cluster: str | Cluster, expert_skew: float = 1.0) -> Estimate:
         return self.predict(
             self.plan, cluster, microbatches=self.microbatches, precision=self.precision,
-            slots=self.slots, schedule=self.schedule,
+            slots=self.slots, schedule=self.schedule, expert_skew=expert_skew,
         )  # fmt: skip
 
     def timeline(self, path: str, cluster: str | Cluster) -> Estimate:

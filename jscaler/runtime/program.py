@@ -85,8 +85,9 @@ class Program(Protocol):
         """The collectives the plan implies per step (a :class:`CommTable`)."""
         ...
 
-    def estimate(self, cluster: str | Cluster) -> Estimate:
-        """The cost model's prediction of this step on ``cluster``."""
+    def estimate(self, cluster: str | Cluster, expert_skew: float = 1.0) -> Estimate:
+        """The cost model's prediction of this step on ``cluster`` (``expert_skew``: a
+        mixture-of-experts router's load imbalance, as :func:`jscaler.estimate` takes it)."""
         ...
 
     def timeline(self, path: str, cluster: str | Cluster) -> Estimate:

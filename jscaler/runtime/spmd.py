@@ -218,18 +218,20 @@ class SpmdProgram:
 
     @staticmethod
     def predict(
-        plan: Plan, cluster, *, microbatches: int, precision: str, slots: int, schedule=None
-    ) -> Estimate:
+        plan: Plan, cluster, *, microbatches: int, precision: str, slots: int, schedule=None,
+        expert_skew: float = 1.0,
+    ) -> Estimate:  # fmt: skip
         """The cost model's step for ``plan`` (before anything is lowered)."""
         dtype = "bf16" if precision == "bf16" else "fp32"
         return estimate(
-            plan, cluster, dtype=dtype, microbatches=microbatches, optimizer_slots=slots
-        )
+            plan, cluster, dtype=dtype, microbatches=microbatches, optimizer_slots=slots,
+            expert_skew=expert_skew,
+        )  # fmt: skip
 
-    def estimate(self, cluster: str | Cluster) -> Estimate:
+    def estimate(self, cluster: str | Cluster, expert_skew: float = 1.0) -> Estimate:
         return self.predict(
             self.plan, cluster, microbatches=self.microbatches, precision=self.precision,
-            slots=self.slots,
+            slots=self.slots, expert_skew=expert_skew,
         )  # fmt: skip
 
     def timeline(self, path: str, cluster: str | Cluster) -> Estimate:

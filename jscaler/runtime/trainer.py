@@ -262,11 +262,13 @@ class Trainer:
         path, collective, mesh axes and bytes, derived from the layouts, not from XLA."""
         return self.program.comm_table()
 
-    def estimate(self, cluster: str | Cluster | None = None) -> Estimate:
+    def estimate(self, cluster: str | Cluster | None = None, expert_skew: float = 1.0) -> Estimate:
         """The cost model's prediction of this plan's step (:class:`jscaler.Estimate`) on
         ``cluster`` (default: the one given to ``parallelize``, else ``cpu``); a
-        pipeline's ``timeline`` holds the blocks' spans."""
-        return self.program.estimate(cluster or self.cluster or "cpu")
+        pipeline's ``timeline`` holds the blocks' spans. ``expert_skew``: a
+        mixture-of-experts router's load imbalance (the busiest expert-parallel device's
+        rows over the mean; 1, balanced), as :func:`jscaler.estimate` takes it."""
+        return self.program.estimate(cluster or self.cluster or "cpu", expert_skew)
 
     def timeline(self, path: str, cluster: str | Cluster | None = None) -> Estimate:
         """Writes the plan's step as a timeline, SIMULATED by the cost model on ``cluster``:
