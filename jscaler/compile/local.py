@@ -271,8 +271,17 @@ def ragged_piece(op: Op, ins, first):
     first = jnp.asarray(first, sizes.dtype)
     start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
     mine = jax.lax.dynamic_slice_in_dim(sizes, first, n)
-    out = prim.bind(jnp.roll(lhs, -start, axis=r), rhs, mine, **prim.get_bind_params(params))
-    return [jnp.roll(out, start, axis=o)]
+    out = prim.bind(_rotate(lhs, start, r), rhs, mine, **prim.get_bind_params(params))
+    return [_rotate(out, -start, o)]
+
+
+def _rotate(x, shift, axis: int):
+    """``x`` with row ``(i + shift) % n`` at row ``i`` along ``axis``: a gather of a
+    permutation. ``jnp.roll`` by a traced shift concatenates ``x`` with itself and slices,
+    a buffer twice ``x``'s size for every rotation and its gradient."""
+    n = x.shape[axis]
+    rows = (jnp.arange(n, dtype=jnp.int32) + shift.astype(jnp.int32)) % n
+    return jnp.take(x, rows, axis=axis, unique_indices=True, mode="clip")
 
 
 @jax.custom_jvp
