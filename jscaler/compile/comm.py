@@ -188,6 +188,7 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
     # collectives on one parameter (the recomputed forward converts it again); an
     # activation's conversions stay one per consumer, as XLA leaves them
     weights = from_params_only(g)
+    made = remade(g)
     converted = set()
     for op in g.ops:
         region = lowered.regions.get(op.id)
@@ -200,7 +201,7 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
         phases = [("forward", m)] + ([("recompute", m)] if op.id in recomputed else [])
         seen = set()
         for x, lay in zip(op.inputs, lays.inputs):
-            if isinstance(x, Literal) or (x, lay) in seen:
+            if isinstance(x, Literal) or (x, lay) in seen or x in made:
                 continue
             seen.add((x, lay))
             shape, isz = info(x)
@@ -302,6 +303,21 @@ def _differentiable(g) -> set[int]:
                 if jnp.issubdtype(jnp.dtype(g.tensors[t].dtype), jnp.inexact):
                     needs.add(t)
     return needs
+
+
+REMADE = ("broadcast_in_dim", "iota")
+
+
+def remade(g) -> dict[int, object]:
+    """Tensors made from scalars alone (a broadcast of a literal, an iota) -> the op
+    making them. A consumer that wants one in another layout than it was made in moves
+    nothing: XLA makes it again in that layout (the zeros a scatter writes into, made
+    split by the batch and read whole, are not gathered)."""
+    out = {}
+    for op in g.ops:
+        if op.primitive in REMADE and all(not g.tensors[t].shape for t in op.tensor_inputs):
+            out.update((t, op) for t in op.outputs)
+    return out
 
 
 def from_params_only(g) -> set[int]:
