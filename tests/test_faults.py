@@ -228,7 +228,10 @@ def test_a_write_that_fails_midway_names_its_step_and_leaves_the_others(monkeypa
     one CheckpointError naming the step, the partial folder removed, no tracebacks from
     orbax's or tensorstore's threads, earlier steps intact."""
     monkeypatch.setattr(checkpoint, "disk_bytes", lambda tree: 0)
-    with small_disk("200k") as disk:
+    # a save of mlp-tiny takes ~136 KiB of tmpfs pages (16 files); 200k left one save a
+    # 64 KiB margin, which a loaded CI machine once overran (the first save failed, so
+    # nothing was left to restore): room for two saves and a half, the disk fills by ~4
+    with small_disk("450k") as disk:
         trainer = mlp_trainer()
         failed = None
         for step in range(20):
@@ -240,6 +243,7 @@ def test_a_write_that_fails_midway_names_its_step_and_leaves_the_others(monkeypa
                 break
         assert failed is not None, "the disk never filled"
         step, message = failed
+        assert step >= 3, f"only {step - 1} save(s) fit before the disk filled: {message}"
         assert f"cannot save step {step}" in message and "No space left on device" in message
         assert sorted(int(p.name) for p in disk.iterdir()) == list(range(1, step))
         err = capfd.readouterr().err
