@@ -4,7 +4,11 @@ Each collective is counted with its kind, its per-device payload in bytes (the l
 what one device sends or receives: the gathered result of an all-gather, the input of a
 reduce-scatter, the buffer of an all-reduce), the mesh axes it runs over and the module
 path jax recorded for it. The CPU backend does not form reduce-scatters: an all-reduce
-whose every user keeps only 1/n of it (n devices in its group) is counted as one.
+whose every user keeps only 1/n of it (n devices in its group) is counted as one. Nor
+does it fold an all-reduce whose only reader is an all-reduce over other mesh axes (the
+SPMD partitioner reduces a contraction split over two axes one axis at a time; the GPU
+compiler's AllReduceFolder makes the pair one all-reduce over both): such a pair is
+counted as that one all-reduce, as it runs on a GPU.
 """
 
 from __future__ import annotations
@@ -132,6 +136,7 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
         instrs[name] = (rtype, opcode, line)
         for operand in re.findall(r"%([\w.\-]+)", rest.split("),")[0]):
             users[operand].append(name)
+    folded = _folded_pairs(instrs, users, mesh)
     out = []
     for name, (rtype, opcode, line) in instrs.items():
         kind = opcode.removesuffix("-start")
@@ -144,17 +149,75 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
         if kind == "all-to-all" and len(parts) > 1:
             parts = [rtype]  # one exchange: its tuple holds the n chunks of one buffer
         for i, part in enumerate(parts):
+            if (name, i) in folded.inner:
+                continue
+            part_axes, part_group = axes, group
+            if (name, i) in folded.outer:
+                inner_axes, inner_group = folded.outer[name, i]
+                part_axes = _in_mesh_order(inner_axes + axes, mesh)
+                part_group = inner_group * group
             nbytes, elems = _shape_bytes(part)
             part_kind = kind
             if kind == "reduce-scatter":
                 nbytes *= group
-            elif kind == "all-reduce" and group > 1:
+            elif kind == "all-reduce" and part_group > 1:
                 readers = _readers(name, i, len(parts) > 1, instrs, users)
                 kept = [_shape_bytes(instrs[u][0])[1] for u in readers]
-                if kept and all(k * group == elems for k in kept):
+                if kept and all(k * part_group == elems for k in kept):
                     part_kind = "reduce-scatter"
-            out.append(Collective(part_kind, nbytes, axes, group, op_name, name))
+            out.append(Collective(part_kind, nbytes, part_axes, part_group, op_name, name))
     return out
+
+
+@dataclass(frozen=True)
+class _Folds:
+    inner: frozenset  # (all-reduce, element) whose only reader is another all-reduce
+    outer: dict  # (all-reduce, element) -> (axes, group) of the inner one it absorbs
+
+
+def _folded_pairs(instrs, users, mesh) -> _Folds:
+    """All-reduce elements read only by an all-reduce over disjoint mesh axes."""
+    inner, outer = set(), {}
+    for name, (rtype, opcode, line) in instrs.items():
+        if opcode not in ("all-reduce", "all-reduce-start"):
+            continue
+        axes, group = _group(line, mesh)
+        is_tuple = len(_tuple_parts(rtype)) > 1
+        for i in range(len(_tuple_parts(rtype))):
+            readers = _readers(name, i, is_tuple, instrs, users)
+            if len(readers) != 1 or instrs[readers[0]][1] not in ("all-reduce", "all-reduce-start"):
+                continue
+            reader = readers[0]
+            r_axes, _ = _group(instrs[reader][2], mesh)
+            position = _operand_position(instrs[reader][2], name, i, is_tuple, instrs)
+            if not axes or not r_axes or set(axes) & set(r_axes) or position is None:
+                continue
+            inner.add((name, i))
+            outer[reader, position] = (axes, group)
+    return _Folds(frozenset(inner), outer)
+
+
+def _operand_position(line, name, index, is_tuple, instrs) -> int | None:
+    """Which operand of the instruction ``line`` is element ``index`` of ``name``."""
+    m = _INSTR.match(line)
+    operands = re.findall(r"%([\w.\-]+)", m.group(4).split("),")[0]) if m else []
+    for k, operand in enumerate(operands):
+        if not is_tuple and operand == name:
+            return k
+        rtype, opcode, text = instrs.get(operand, ("", "", ""))
+        if (
+            is_tuple
+            and opcode == "get-tuple-element"
+            and re.search(rf"\(%{re.escape(name)}\)", text)
+            and re.search(rf"index={index}\b", text)
+        ):
+            return k
+    return None
+
+
+def _in_mesh_order(axes, mesh) -> tuple[str, ...]:
+    order = [n for n, _ in mesh or ()]
+    return tuple(sorted(axes, key=lambda a: order.index(a) if a in order else len(order)))
 
 
 def _tuple_parts(rtype: str) -> list[str]:
