@@ -20,6 +20,7 @@ from jscaler.cost import estimate as estimate
 from jscaler.errors import AnnotationError as AnnotationError
 from jscaler.errors import AssignmentError as AssignmentError
 from jscaler.errors import CheckpointError as CheckpointError
+from jscaler.errors import ConfigError as ConfigError
 from jscaler.errors import CoverageError as CoverageError
 from jscaler.errors import CycleError as CycleError
 from jscaler.errors import DistributedError as DistributedError
@@ -73,6 +74,7 @@ from jscaler.plan import stage_of_ops as stage_of_ops
 from jscaler.plan import validate as validate
 from jscaler.runtime import ParallelStep as ParallelStep
 from jscaler.runtime import Program as Program
+from jscaler.runtime import Recipe as Recipe
 from jscaler.runtime import Space as Space
 from jscaler.runtime import Trainer as Trainer
 from jscaler.runtime import TrainState as TrainState
@@ -96,6 +98,7 @@ __all__ = [
     "CheckpointError",
     "Cluster",
     "CLUSTERS",
+    "ConfigError",
     "Coverage",
     "CoverageError",
     "CycleError",
@@ -134,6 +137,7 @@ __all__ = [
     "PlanError",
     "propagate",
     "PTensor",
+    "Recipe",
     "recompute",
     "Region",
     "register_op",

@@ -10,6 +10,7 @@ __all__ = [
     "AnnotationError",
     "AssignmentError",
     "CheckpointError",
+    "ConfigError",
     "CoverageError",
     "CycleError",
     "DistributedError",
@@ -32,6 +33,11 @@ class JscalerError(Exception):
 
 class CheckpointError(JscalerError):
     """A checkpoint is missing, damaged, or does not fit the trainer restoring it."""
+
+
+class ConfigError(JscalerError):
+    """A config file cannot be read, names an option that does not exist, or gives one a
+    value of the wrong type."""
 
 
 class TraceError(JscalerError):

@@ -22,6 +22,7 @@ from jscaler.cli import (
     viz,
 )
 from jscaler.cli.common import describe, parse_schedule
+from jscaler.cli.config import CommandParser, apply, find_config, load
 
 __all__ = ["describe", "main", "parse_schedule"]
 
@@ -29,7 +30,7 @@ _COMMANDS = (inspect_graph, train, verify, plan, launch_cmd, bench, viz, profile
 INTERNAL_ERROR = 3  # exit status of a crash jscaler did not turn into one of its errors
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, CommandParser]]:
     p = argparse.ArgumentParser(
         prog="jscaler",
         description="Parallelise single-device Flax training with searched plans. "
@@ -37,10 +38,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 done, 1 verify's mismatch, 2 an error jscaler reports, 3 an "
         "unexpected error (add --traceback anywhere on the line to see where it came from).",
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
     for command in _COMMANDS:
         command.register(sub)
-    return p
+    return p, sub.choices
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)  # launch: the rest is the child's
     show_traceback = "--traceback" in argv[:cut]
     argv = [a for a in argv[:cut] if a != "--traceback"] + argv[cut:]
-    args = _parser().parse_args(argv)
+    parser, commands = _parser()
+    command = commands.get(argv[0]) if argv else None
+    if command is not None and "config" in command.long_options():
+        from jscaler.errors import ConfigError
+
+        try:  # the file's values become the defaults: the command line overrides them
+            if (path := find_config(argv[1:])) is not None:
+                apply(command, load(path), path)
+        except ConfigError as e:
+            print(f"jscaler {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
     from jscaler.setup import enable_compilation_cache, init_distributed, use_cpu_devices
 
     if args.command == "launch":

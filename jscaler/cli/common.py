@@ -104,15 +104,20 @@ def setup_trainer(args, optimizer):
     from spaces.parse import parse_plan
 
     spec = models.get(args.model)
-    model = spec.init(0)
+    model = spec.init(getattr(args, "seed", 0))
     plan = parse_plan(args.plan)
     if isinstance(plan, jscaler.search.Auto):  # the joint search shows its progress
         plan = dataclasses.replace(plan, progress=True)
+    if (precision := getattr(args, "precision", None)) is not None:
+        plan = with_precision(plan, precision, args.plan)
     pp = getattr(plan, "pp", 1)
     microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
     # a pipeline's micro-batches each get the model's default batch size unless told
     default = spec.batch_size * (microbatches if pp > 1 else 1)
     batch_size = getattr(args, "batch_size", None) or default
+    # gradient accumulation: N batches of batch_size in one step, N times the micro-batches
+    accum = getattr(args, "grad_accum", 1)
+    batch_size, microbatches = batch_size * accum, microbatches * accum
     trainer = jscaler.parallelize(
         model,
         spec.loss,
@@ -125,6 +130,23 @@ def setup_trainer(args, optimizer):
         cluster=getattr(args, "cluster", None),
     )
     return spec, model, trainer, batch_size
+
+
+def with_precision(plan, precision: str, expr: str):
+    """The space ``plan`` with its ``precision=`` knob set (``--precision``)."""
+    import dataclasses
+
+    from jscaler.errors import PlanError
+
+    if not dataclasses.is_dataclass(plan) or "precision" not in {
+        f.name for f in dataclasses.fields(plan)
+    }:
+        raise PlanError(
+            f"--precision {precision}: the plan {expr!r} has no precision knob (a plan JSON "
+            f"keeps the precision it was made with; the auto search takes none); drop "
+            f"--precision or name a space such as dp or megatron(...)"
+        )
+    return dataclasses.replace(plan, precision=precision)
 
 
 def add_cluster(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,9 @@ from jscaler.cli.common import (
     setup_trainer,
     throughput,
 )
+from jscaler.cli.config import add_config, to_toml
 from jscaler.cli.numbers import count, positive_int
+from jscaler.cli.train_options import EVAL_SEED, add_metrics, add_recipe, recipe_of
 from jscaler.report import explain
 
 
@@ -24,12 +26,14 @@ def register(sub) -> None:
     tr = sub.add_parser(
         "train",
         help="train a reference model under a plan, with a progress bar and the loss",
-        description="Train a reference model on its synthetic data under a plan (Adam). "
-        "Batch s of the run is the model's synthetic batch with seed s, so a resumed run "
-        "sees the same data as an uninterrupted one. Logs the loss, samples (or tokens) "
-        "per second and MFU against --cluster's peak; a NaN or infinite loss stops the run "
-        "(exit 2) with the step number, keeping the last good checkpoint.",
+        description="Train a reference model on its synthetic data under a plan (Adam at a "
+        "constant --lr unless told otherwise). Batch s of the run is the model's synthetic "
+        "batch with seed s, so a resumed run sees the same data as an uninterrupted one. "
+        "Logs the loss, samples (or tokens) per second and MFU against --cluster's peak; a "
+        "NaN or infinite loss stops the run (exit 2) with the step number, keeping the "
+        "last good checkpoint. Every option can come from a TOML --config file instead.",
     )
+    add_config(tr)
     tr.add_argument("--model", required=True, help="a reference model, e.g. gpt-tiny")
     add_plan(tr, "dp")
     add_devices(tr)
@@ -40,10 +44,12 @@ def register(sub) -> None:
         "--batch-size",
         type=positive_int,
         default=None,
-        help="global batch size (default: the model's; times the micro-batches for pp > 1)",
+        help="global batch size (default: the model's; times the micro-batches for pp > 1); "
+        "each update trains on --grad-accum of them",
     )
     add_pipeline(tr)
-    tr.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
+    add_recipe(tr)
+    add_metrics(tr)
     tr.add_argument("--explain", action="store_true", help="print the plan's table first")
     tr.add_argument(
         "--log-every",
@@ -95,15 +101,49 @@ def register(sub) -> None:
         help="write a jax.profiler trace of the steps after the first (compilation) to DIR "
         "(open it with TensorBoard's profile plugin or https://ui.perfetto.dev)",
     )
-    tr.set_defaults(run=_train)
+    tr.set_defaults(run=lambda args: _train(args, tr))
 
 
-def _train(args) -> int:
+def _recipe_line(recipe, args, precision: str) -> str:
+    """``adamw, lr 0.001 cosine (warm-up 10) to 0 at step 100, clip grad norm 1, weight
+    decay 0.1, seed 0, fp32``."""
+    parts = [f"{recipe.optimizer}, lr {recipe.lr:g} {recipe.schedule}"]
+    if recipe.warmup_steps:
+        parts.append(f"(warm-up {recipe.warmup_steps})")
+    if recipe.schedule != "constant":
+        parts.append(f"to {recipe.min_lr:g} at step {recipe.steps}")
+    line = " ".join(parts)
+    if recipe.clip_grad_norm:
+        line += f", clip grad norm {recipe.clip_grad_norm:g}"
+    if recipe.weight_decay:
+        line += f", weight decay {recipe.weight_decay:g}"
+    if args.grad_accum > 1:
+        line += f", {args.grad_accum} batches accumulated per update"
+    return line + f", seed {args.seed}, {precision}"
+
+
+def _memory() -> list[int] | None:
+    """Bytes in use on each local device, where the device reports it (GPUs, TPUs; the
+    CPU backend does not: None)."""
     import jax
-    import optax
+
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    if any(s is None or "bytes_in_use" not in s for s in stats):
+        return None
+    return [int(s["bytes_in_use"]) for s in stats]
+
+
+def _train(args, parser) -> int:
+    recipe = recipe_of(args)  # a bad combination of options fails before any tracing
+    if args.print_config:
+        header = "jscaler train: the options after --config and the command line"
+        print(to_toml(parser, args, header), end="")
+        return 0
+    import jax
     from tqdm import tqdm
 
     from jscaler.errors import CheckpointError, NonFiniteLossError, PlanError
+    from jscaler.runtime.metrics_log import MetricsLog
 
     if (args.checkpoint_every or args.resume or args.keep_checkpoints) and not args.checkpoint_dir:
         raise PlanError(
@@ -123,13 +163,14 @@ def _train(args) -> int:
                 f"--checkpoint-dir {args.checkpoint_dir} already holds step {found}; add "
                 f"--resume to continue from it, or name an empty directory"
             )
-    spec, _, trainer, batch_size = setup_trainer(args, optax.adam(args.lr))
+    spec, _, trainer, batch_size = setup_trainer(args, recipe.build())
     if args.checkpoint_dir:  # and room for one checkpoint of this trainer's state
         from jscaler.runtime.checkpoint import check_directory
 
         check_directory(args.checkpoint_dir, trainer.checkpoint_bytes())
     print(f"{spec.name}: {spec.description}")
     print(describe(trainer))
+    print(f"recipe: {_recipe_line(recipe, args, trainer.precision)}")
     if args.explain:
         if (searched := trainer.plan.__dict__.get("auto")) is not None:
             print(searched.explain())
@@ -150,6 +191,10 @@ def _train(args) -> int:
     saved = None
     timed: list[float] = []
     saving: list[float] = []  # seconds per checkpoint save
+    evals: list[tuple[int, float]] = []  # (step, eval loss)
+    held_out: list = []  # the eval batches, made on first use
+    show_lr = recipe.schedule != "constant" or recipe.warmup_steps > 0
+    log = MetricsLog(args.metrics_dir) if args.metrics_dir and jax.process_index() == 0 else None
 
     def save():  # seconds the training loop waits for it (the blocking part)
         t0 = time.perf_counter()  # save() waits for the one before, so pruning counts it
@@ -166,6 +211,11 @@ def _train(args) -> int:
             if args.keep_checkpoints:
                 prune(args.checkpoint_dir, args.keep_checkpoints)
             saving[-1] += time.perf_counter() - t0
+
+    def eval_loss() -> float:  # the mean loss over the held-out batches, no update
+        if not held_out:
+            held_out.extend(spec.batch(batch_size, EVAL_SEED + k) for k in range(args.eval_batches))
+        return sum(trainer.eval(b)["loss"] for b in held_out) / len(held_out)
 
     began = time.perf_counter()
     profiling = False
@@ -184,20 +234,37 @@ def _train(args) -> int:
                     timed.append(took)
                 first = metrics["loss"] if first is None else first
                 last = metrics["loss"]
+                lr = recipe.learning_rate(step)  # the rate this update used
                 post = {"loss": f"{last:.4f}", "grad_norm": f"{metrics['grad_norm']:.3f}"}
+                if show_lr:
+                    post["lr"] = f"{lr:.3g}"
+                record = {"loss": last, "grad_norm": metrics["grad_norm"], "lr": lr}
                 if timed:
                     rate = per_step / took
+                    mfu = est.model_flops / (took * devices * est.peak)
                     post[f"{unit}/s"] = f"{rate:,.0f}"
-                    post["MFU"] = f"{est.model_flops / (took * devices * est.peak):.1%}"
+                    post["MFU"] = f"{mfu:.1%}"
+                    record |= {"step_s": took, f"{unit}_per_s": rate, "mfu": mfu}
                 bar.set_postfix(post)
-                if args.log_every and (step + 1) % args.log_every == 0:
-                    bar.write(f"step {step + 1}: " + ", ".join(f"{k} {v}" for k, v in post.items()))
                 done = step + 1
-                if args.checkpoint_every and done % args.checkpoint_every == 0:
+                logged = args.log_every and done % args.log_every == 0
+                if logged:
+                    bar.write(f"step {done}: " + ", ".join(f"{k} {v}" for k, v in post.items()))
+                # the JSONL has the logged steps (every step with --log-every 0)
+                if args.log_every and not logged:
+                    record = {}
+                elif log is not None:
+                    record["memory_bytes"] = _memory()
+                if args.eval_every and done % args.eval_every == 0:
+                    evals.append((done, eval_loss()))
+                    bar.write(f"step {done}: eval loss {evals[-1][1]:.4f}")
+                    record["eval_loss"] = evals[-1][1]
+                every = args.checkpoint_every and done % args.checkpoint_every == 0
+                if args.checkpoint_dir and (every or done == args.steps):  # and at the end
                     saved = save()
-            unsaved = saved is None or saved.name != str(trainer.step_count)
-            if args.checkpoint_dir and trainer.step_count > start_step and unsaved:
-                saved = save()
+                    record["checkpoint_s"] = saving[-1]
+                if log is not None and record:
+                    log.write(done, record)
         finish_saves()
     except NonFiniteLossError as e:
         finish_saves()  # the last good step, if it was still being written
@@ -212,6 +279,8 @@ def _train(args) -> int:
     finally:
         if profiling:
             jax.profiler.stop_trace()
+        if log is not None:
+            log.close()
     took = time.perf_counter() - began
     if first is None:
         print(f"nothing to do: the checkpoint is at step {start_step} of --steps {args.steps}")
@@ -220,6 +289,9 @@ def _train(args) -> int:
         f"loss {first:.4f} -> {last:.4f} in {args.steps - start_step} steps ({took:.1f} s, "
         f"including compilation)"
     )
+    if evals:
+        print(f"eval loss {evals[-1][1]:.4f} at step {evals[-1][0]} ({args.eval_batches} "
+              f"held-out batches)")  # fmt: skip
     if timed:
         step_s = sorted(timed)[len(timed) // 2]
         mfu = est.model_flops / (step_s * devices * est.peak)
@@ -234,6 +306,9 @@ def _train(args) -> int:
             f"checkpoint: {saved} ({len(saving)} saves, {spent:.1f} s, {spent / took:.0%} of "
             f"the run's {took:.1f} s; the steady state above leaves them out)"
         )
+    if args.metrics_dir and log is not None:
+        print(f"metrics: {log.path} and TensorBoard events (tensorboard --logdir "
+              f"{args.metrics_dir})")  # fmt: skip
     if profiling:
         print(f"profile: {args.profile} (jax.profiler trace)")
     return 0

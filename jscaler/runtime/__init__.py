@@ -11,6 +11,7 @@ from jscaler.runtime.builder import Planner as Planner
 from jscaler.runtime.builder import Space as Space
 from jscaler.runtime.parallelize import parallelize as parallelize
 from jscaler.runtime.program import Program as Program
+from jscaler.runtime.recipe import Recipe as Recipe
 from jscaler.runtime.spmd_pipeline import spmd_pipeline as spmd_pipeline
 from jscaler.runtime.state import TrainState as TrainState
 from jscaler.runtime.step import ParallelStep as ParallelStep
