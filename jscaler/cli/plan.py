@@ -105,7 +105,7 @@ def _plan_cmd(args) -> int:
     for name in args.space or ():
         from spaces.grid import settings
 
-        todo += settings(name, args.devices)
+        todo += settings(name, args.devices, graph)
     from tqdm import tqdm
 
     bar = tqdm(todo, desc="plan", unit="plan", disable=args.json or len(todo) < 2, leave=False)
