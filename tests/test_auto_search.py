@@ -22,7 +22,8 @@ from jscaler.search import (
     solve,
 )
 from spaces import SPACES
-from spaces.grid import NOT_SEARCHED, knob_settings
+from spaces.grid import NOT_SEARCHED, expression, knob_settings
+from spaces.grid import candidates as grid_candidates
 
 from parity import assert_parity
 
@@ -272,3 +273,62 @@ def test_the_winner_is_the_plan_its_candidate_makes_again():
     fresh = jscaler.search.candidates.tuned(cand.space, microbatches=1, **knobs)(graph, N)
     assert fresh == result.plan
     assert estimate(fresh, CLUSTER).step_time == result.estimate.step_time == result.best.step_time
+
+
+def test_the_expert_grid_holds_ep_with_tp_and_zero_and_auto_beats_each_point():
+    """Expert parallelism's settings on moe-tiny (4 experts) at 8 devices: ep alone, with
+    tp inside the experts and with ZeRO-1/3 (tried only where ep alone does not fit),
+    never an ep the experts cannot take; the search predicts each as jscaler.estimate
+    does and its winner is no slower than any."""
+    graph = graph_of("moe-tiny", 1)
+    grid = knob_settings("expert", N, graph)
+    assert {"ep": 2, "tp": 2} in grid and {"ep": 4, "tp": 2} in grid and {"ep": 2, "tp": 4} in grid
+    assert {"ep": 2, "zero": 1} in grid and {"ep": 4, "zero": 3} in grid
+    assert {"ep": 2} in grid and not any(kw["ep"] == 8 for kw in grid)
+    assert {"ep": 8, "zero": 3} in knob_settings("expert", N)  # no graph: every ep of N
+    assert knob_settings("expert", N, graph_of("gpt-tiny", 1)) == []  # no experts
+    cands = {c.name: c for c in grid_candidates(graph, N) if c.name.startswith("expert(")}
+    assert cands["expert(ep=4, zero=3)"].fallback_of == "expert(ep=4)"
+    assert cands["expert(ep=2, tp=2)"].fallback_of is None
+    result = searched("moe-tiny")
+    rows = {r.name: r for r in result.rows if r.microbatches == 1}
+    for kw in grid:
+        est = estimate(SPACES["expert"](**kw)(graph, N), CLUSTER)
+        name = expression("expert", kw)
+        assert "zero" in kw or rows[name].step_time == est.step_time, (name, rows.get(name))
+        assert result.best.step_time <= est.step_time * (1 + 1e-9), (kw, result.explain())
+    # below every plain expert plan's memory, above ZeRO-3's: the ZeRO fallbacks decide
+    zero3 = estimate(SPACES["expert"](ep=4, zero=3)(graph, N), CLUSTER).memory["total"]
+    plain = min(rows[n].memory for n in cands if "zero" not in n)
+    assert zero3 < plain
+    tight = search(graph, N, cluster=CLUSTER, capacity=(zero3 + plain) / 2, builtin=False,
+                   registered=False, candidates=tuple(cands.values()), cache=False)  # fmt: skip
+    assert tight.best is not None and "zero=3" in tight.best.name, tight.explain()
+
+
+def test_a_skewed_router_slows_the_searchs_dropless_expert_plans(tmp_path, monkeypatch):
+    """``expert_skew`` reaches every prediction of the search and its cache key: a
+    dropless model's expert plans wait for their busiest ep device (up to skew x their
+    share, at most ep x), dense data parallelism does not."""
+    monkeypatch.setenv("JSCALER_CACHE_DIR", str(tmp_path))
+    graph = graph_of("moe-tiny-dropless", 1)
+    cands = tuple(c for c in grid_candidates(graph, N) if c.name.startswith(("expert(", "dp(")))
+    kw = dict(cluster=CLUSTER, builtin=False, registered=False, candidates=cands)
+    balanced = search(graph, N, **kw)
+    skewed = search(graph, N, expert_skew=4, **kw)
+    assert not skewed.cached, "a search under another skew reused the balanced one's table"
+    assert search(graph, N, expert_skew=4.0, **kw).cached
+    before = {r.name: r.step_time for r in balanced.rows if r.predicted}
+    after = {r.name: r.step_time for r in skewed.rows if r.predicted}
+    assert after["dp()"] == before["dp()"]
+    experts = [n for n in before if n.startswith("expert(")]
+    assert len(experts) >= 5, experts  # ep x tp; the ZeRO ones only where these do not fit
+    for name in experts:
+        assert after[name] > before[name], (name, before[name], after[name])
+    slower = {n: after[n] - before[n] for n in ("expert(ep=2)", "expert(ep=4)")}
+    assert slower["expert(ep=4)"] > slower["expert(ep=2)"], slower  # 4x its share vs 2x
+    for bad in (0.5, float("nan"), True, "2"):
+        with pytest.raises(jscaler.PlanError, match="expert_skew must be a number >= 1"):
+            search(graph, N, expert_skew=bad, **kw)
+    with pytest.raises(jscaler.PlanError, match="expert_skew must be a number >= 1"):
+        jscaler.search.auto(CLUSTER, expert_skew=0.9)

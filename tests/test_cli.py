@@ -11,9 +11,9 @@ import pytest
 JSCALER = Path(sys.executable).with_name("jscaler")
 
 
-def run(*args, check=True):
+def run(*args, check=True, env=None):
     cmd = [str(JSCALER)] if JSCALER.exists() else [sys.executable, "-m", "jscaler.cli"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | (env or {})
     proc = subprocess.run(
         [*cmd, *args], capture_output=True, text=True, env=env, timeout=300, check=False
     )
@@ -181,6 +181,11 @@ def test_plan_ranks_a_spaces_settings():
         (["verify", "--model", "mlp-tiny", "--steps", "0"], "--steps"),
         (["verify", "--model", "mlp-tiny", "--tol-scale", "-1"], "--tol-scale"),
         (["launch", "--nprocs", "0", "--", "train", "--model", "mlp-tiny"], "--nprocs"),
+        (["plan", "--model", "moe-tiny", "--auto", "--expert-skew", "0.5"], "--expert-skew"),
+        (
+            ["train", "--model", "moe-tiny", "--plan", "auto", "--expert-skew", "nan"],
+            "--expert-skew",
+        ),
     ],
     ids=lambda x: " ".join(x) if isinstance(x, list) else x,
 )
@@ -190,6 +195,21 @@ def test_out_of_range_numbers_are_usage_errors(args, option):
     proc = run(*args, check=False)
     assert proc.returncode == 2, proc.stderr
     assert f"argument {option}: must be" in proc.stderr
+
+
+def test_plan_auto_searches_under_an_expert_skew(tmp_path):
+    """``--expert-skew`` reaches the joint search (its own cached table: the skew is part
+    of the key); on a plan it does not steer (train without --plan auto), a clear error."""
+    env = {"JSCALER_CACHE_DIR": str(tmp_path)}
+    argv = ["plan", "--model", "moe-tiny-dropless", "--devices", "2", "--auto", "--json"]
+    for skew in ("1", "4"):
+        data = json.loads(run(*argv, "--expert-skew", skew, env=env).stdout)
+        assert data["plans"][0]["plan"].startswith("auto: "), data
+    assert len(list(tmp_path.glob("plans/auto-*.json"))) == 2
+    bad = run("train", "--model", "moe-tiny", "--plan", "dp", "--expert-skew", "2",
+              "--steps", "1", check=False)  # fmt: skip
+    assert bad.returncode == 2, bad.stderr
+    assert "--expert-skew 2 steers the search of --plan auto" in bad.stderr
 
 
 def test_an_error_jscaler_does_not_check_for_exits_3_not_verifys_mismatch(tmp_path):

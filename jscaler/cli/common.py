@@ -106,8 +106,17 @@ def setup_trainer(args, optimizer):
     spec = models.get(args.model)
     model = spec.init(getattr(args, "seed", 0))
     plan = parse_plan(args.plan)
+    skew = getattr(args, "expert_skew", None)
     if isinstance(plan, jscaler.search.Auto):  # the joint search shows its progress
-        plan = dataclasses.replace(plan, progress=True)
+        plan = dataclasses.replace(
+            plan, progress=True, **({"expert_skew": skew} if skew is not None else {})
+        )
+    elif skew is not None:
+        raise jscaler.PlanError(
+            f"--expert-skew {skew:g} steers the search of --plan auto, but the plan is "
+            f"{args.plan!r}; drop --expert-skew, or use --plan auto (jscaler plan "
+            f"--plan {args.plan!r} --expert-skew {skew:g} predicts this plan under it)"
+        )
     if (precision := getattr(args, "precision", None)) is not None:
         plan = with_precision(plan, precision, args.plan)
     pp = getattr(plan, "pp", 1)
@@ -147,6 +156,25 @@ def with_precision(plan, precision: str, expr: str):
             f"--precision or name a space such as dp or megatron(...)"
         )
     return dataclasses.replace(plan, precision=precision)
+
+
+def add_expert_skew(p: argparse.ArgumentParser, default: float | None) -> None:
+    """``--expert-skew S``: ``jscaler plan``'s predictions and every command's ``--plan
+    auto`` search take the router's imbalance (``default`` None: the plan's own)."""
+    from jscaler.cli.numbers import at_least_one
+
+    p.add_argument(
+        "--expert-skew",
+        type=at_least_one,
+        default=default,
+        metavar="S",
+        help="a mixture-of-experts router's load imbalance: the busiest expert-parallel "
+        "device's rows over the mean (>= 1; 1: balanced; models.moe.expert_skew measures "
+        "it). A dropless model's experts split over ep wait for the busiest device, so "
+        "--plan auto predicts every candidate under it and a skewed router steers the "
+        "search away from high ep"
+        + (f" (default {default:g})" if default is not None else " (default 1)"),
+    )
 
 
 def add_cluster(p: argparse.ArgumentParser) -> None:

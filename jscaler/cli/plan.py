@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from jscaler.cli.common import abstract_model
-from jscaler.cli.numbers import at_least_one, count, non_negative_float, positive_int
+from jscaler.cli.common import abstract_model, add_expert_skew
+from jscaler.cli.numbers import count, non_negative_float, positive_int
 
 
 def register(sub) -> None:
@@ -77,14 +77,7 @@ def register(sub) -> None:
         help="auto: why the winner beat the runner-up (time, memory, bytes) and the best "
         "candidates; with --mesh: the searched plan's splits",
     )
-    pl.add_argument(
-        "--expert-skew",
-        type=at_least_one,
-        default=1.0,
-        help="a mixture-of-experts router's load imbalance: the busiest expert-parallel "
-        "device's rows over the mean (default 1, balanced); scales the dropless experts' "
-        "ragged_dots split over ep",
-    )
+    add_expert_skew(pl, 1.0)
     pl.add_argument("--json", action="store_true", help="print the predictions as JSON")
     pl.set_defaults(run=_plan_cmd)
 
@@ -112,7 +105,7 @@ def _plan_cmd(args) -> int:
     for name in args.space or ():
         from spaces.grid import settings
 
-        todo += settings(name, args.devices)
+        todo += settings(name, args.devices, graph)
     from tqdm import tqdm
 
     bar = tqdm(todo, desc="plan", unit="plan", disable=args.json or len(todo) < 2, leave=False)
@@ -222,8 +215,8 @@ def _auto_row(args, spec, cluster, capacity) -> dict:
 
     result = search(
         graph_of, args.devices, cluster=cluster, capacity=capacity, dtype=args.dtype,
-        optimizer_slots=args.optimizer_slots, microbatches=counts,
-        cache=not args.explain, progress=not args.json,
+        optimizer_slots=args.optimizer_slots, expert_skew=args.expert_skew,
+        microbatches=counts, cache=not args.explain, progress=not args.json,
     )  # fmt: skip
     if args.explain:
         print(result.explain())

@@ -9,6 +9,7 @@ import time
 from jscaler.cli.common import (
     add_cluster,
     add_devices,
+    add_expert_skew,
     add_pipeline,
     add_plan,
     describe,
@@ -60,6 +61,7 @@ def register(sub) -> None:
         "only the progress bar)",
     )
     add_cluster(tr)
+    add_expert_skew(tr, None)
     tr.add_argument(
         "--checkpoint-dir",
         default=None,

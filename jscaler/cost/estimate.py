@@ -57,7 +57,14 @@ from jscaler.ir.graph import Literal
 from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
 
-__all__ = ["Estimate", "estimate", "needs_grad", "roofline_seconds", "saved_for_backward"]
+__all__ = [
+    "Estimate",
+    "check_expert_skew",
+    "estimate",
+    "needs_grad",
+    "roofline_seconds",
+    "saved_for_backward",
+]
 
 CONTRACTIONS = {"dot_general", "conv_general_dilated"}
 # consumers that need none of their inputs' values in the backward pass
@@ -236,14 +243,7 @@ def estimate(
         over the mean (1: balanced), assumed or measured (``models.moe.expert_skew``);
         it scales the ``ragged_dot`` pieces split along their groups.
     """
-    if isinstance(expert_skew, bool) or not (
-        isinstance(expert_skew, int | float) and expert_skew >= 1
-    ):
-        raise PlanError(
-            f"expert_skew must be a number >= 1 (the busiest expert-parallel device's rows "
-            f"over the mean; 1: balanced), got {expert_skew!r}; measure it with "
-            f"models.moe.expert_skew or leave it at 1"
-        )
+    check_expert_skew(expert_skew)
     cl = get_cluster(cluster)
     peak = cl.peak(dtype)
     pg = plan.pgraph
@@ -413,6 +413,22 @@ def _share(tree, path) -> float:
             share /= len(node.children)
         node = node.children[i]
     return share
+
+
+def check_expert_skew(expert_skew) -> float:
+    """``expert_skew`` if it is a finite number >= 1, else a :class:`PlanError` saying
+    what it means and how to get one (the estimates and ``plan="auto"`` take it)."""
+    if (
+        isinstance(expert_skew, bool)
+        or not isinstance(expert_skew, int | float)
+        or not 1 <= expert_skew < float("inf")
+    ):
+        raise PlanError(
+            f"expert_skew must be a number >= 1 (the busiest expert-parallel device's rows "
+            f"over the mean; 1: balanced), got {expert_skew!r}; measure it with "
+            f"models.moe.expert_skew or leave it at 1"
+        )
+    return float(expert_skew)
 
 
 def _ragged_group_dim(op):

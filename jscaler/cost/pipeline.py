@@ -32,6 +32,7 @@ from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import Combined, collective_time
 from jscaler.cost.estimate import (
     Estimate,
+    check_expert_skew,
     device_times,
     flops_of,
     local_bytes,
@@ -77,6 +78,7 @@ def estimate_pipeline(
     """Predicts a pipeline plan's step (see the module doc); ``schedule``: a Schedule or
     a function ``(groups, microbatches) -> Schedule`` (default the plan's own, else 1F1B);
     ``expert_skew``: the router's load imbalance, as :func:`jscaler.estimate` takes it."""
+    check_expert_skew(expert_skew)
     cl = get_cluster(cluster)
     sched = _schedule(plan, schedule, microbatches)
     g = plan.graph

@@ -21,8 +21,13 @@ whole search and returns the best so far, saying so. Same inputs, same result: t
 fixed and CP-SAT runs deterministically; the winner is returned as it was planned. Results
 are cached: the table of every candidate's prediction under
 ``<cache_dir>/plans/auto-*.json``, keyed by the graphs, devices, cluster, capacity, dtype,
-optimizer slots, the candidates' names and the search version; a cached search rebuilds
-only the winner.
+optimizer slots, expert skew, the candidates' names and the search version; a cached
+search rebuilds only the winner.
+
+Mixture-of-experts: ``expert_skew`` (the router's load imbalance, the busiest
+expert-parallel device's rows over the mean; :func:`jscaler.estimate` takes it) is
+charged to every prediction, so under a skewed router a dropless model's high-``ep``
+plans, whose busiest device waits longest, lose to lower ``ep`` or to dense plans.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jscaler.cost.cluster import Cluster, get_cluster
-from jscaler.cost.estimate import Estimate, estimate, roofline_seconds
+from jscaler.cost.estimate import Estimate, check_expert_skew, estimate, roofline_seconds
 from jscaler.cost.pipeline import estimate_pipeline
 from jscaler.errors import JscalerError, PlanError
 from jscaler.ir.graph import Graph
@@ -178,6 +183,7 @@ def search(
     capacity: float | None = None,
     dtype: str = "fp32",
     optimizer_slots: int = 0,
+    expert_skew: float = 1.0,
     microbatches: tuple[int, ...] = (1,),
     candidates: tuple[Candidate, ...] = (),
     builtin: bool = True,
@@ -194,6 +200,8 @@ def search(
       graph: the graph of one micro-batch, or ``m -> graph`` of one micro-batch when the
         global batch is cut into ``m`` (for more than one count in ``microbatches``).
       capacity: bytes per device (default the cluster's memory).
+      expert_skew: a mixture-of-experts router's load imbalance (>= 1; 1: balanced), as
+        :func:`jscaler.estimate` takes it: every candidate is predicted under it.
       microbatches: the micro-batch counts offered, the first the default.
       candidates: more candidates, beside the engine's (``builtin``) and the registered
         ones (``registered``).
@@ -205,6 +213,7 @@ def search(
     start = time.perf_counter()
     cl = get_cluster(cluster)
     capacity = capacity if capacity is not None else cl.memory
+    expert_skew = check_expert_skew(expert_skew)
     offered = tuple(dict.fromkeys(int(m) for m in microbatches))
     if not offered or min(offered) < 1:
         raise PlanError(f"microbatches must be positive counts; got {microbatches!r}")
@@ -235,8 +244,9 @@ def search(
     )  # fmt: skip
     key = _key(
         [graph_of(m) for m in offered], n_devices, cl, capacity, dtype, optimizer_slots,
-        offered, names, sorted(schedules), time_limit, ilp_time_limit,
+        offered, names, sorted(schedules), time_limit, ilp_time_limit, expert_skew,
     )  # fmt: skip
+    knobs["expert_skew"] = expert_skew  # for the predictions (and a space taking it)
     path = _cache_path(key) if cache else None
     if path is not None and path.is_file():
         try:
@@ -405,7 +415,10 @@ def _schedules_for(plan, schedules):
 
 
 def _predict(plan, m: int, knobs) -> Estimate:
-    kw = dict(dtype=knobs["dtype"], optimizer_slots=knobs["optimizer_slots"])
+    kw = dict(
+        dtype=knobs["dtype"], optimizer_slots=knobs["optimizer_slots"],
+        expert_skew=knobs["expert_skew"],
+    )  # fmt: skip
     if plan.is_pipeline:
         return estimate_pipeline(plan, knobs["cluster"], microbatches=m, **kw)
     return estimate(plan, knobs["cluster"], microbatches=m, **kw)
@@ -424,13 +437,15 @@ def _rebuild(rows, cands, graph_of, n, knobs, schedules):
     raise KeyError(win.schedule)
 
 
-def _key(graphs, n, cl, capacity, dtype, slots, offered, names, schedules, limit, ilp):
+def _key(graphs, n, cl, capacity, dtype, slots, offered, names, schedules, limit, ilp, skew):
     from jscaler.plan.plan import PLAN_FORMAT, graph_fingerprint
 
     parts = [
         [graph_fingerprint(g) for g in graphs], n, dataclasses.asdict(cl), capacity, dtype,
         slots, offered, names, schedules, limit, ilp, SEARCH_VERSION, PLAN_FORMAT,
     ]  # fmt: skip
+    if skew != 1:  # balanced searches keep the keys (and cached tables) they had
+        parts.append(["expert_skew", skew])
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 
 
@@ -455,6 +470,10 @@ class Auto:
     ilp_meshes: str = "one"
     cache: bool = True
     progress: bool = False
+    expert_skew: float = 1.0
+
+    def __post_init__(self):
+        check_expert_skew(self.expert_skew)
 
     def __call__(self, graph: Graph, n_devices: int) -> AnyPlan:
         result = self.search(graph, n_devices)
@@ -474,6 +493,7 @@ class Auto:
             optimizer_slots=self.optimizer_slots, microbatches=(self.microbatches,),
             time_limit=self.time_limit, ilp_time_limit=self.ilp_time_limit,
             ilp_meshes=self.ilp_meshes, cache=self.cache, progress=self.progress,
+            expert_skew=self.expert_skew,
         )  # fmt: skip
 
 
@@ -488,13 +508,17 @@ def auto(
     ilp_meshes: str = "one",
     cache: bool = True,
     progress: bool = False,
+    expert_skew: float = 1.0,
 ) -> Auto:
     """The joint search as a space (see the module doc): for ``cluster`` under
     ``capacity`` bytes per device (default the cluster's memory), costed in ``dtype``
     with ``optimizer_slots`` fp32 values per parameter, the graph being one of
-    ``microbatches`` micro-batches; ``time_limit``, ``ilp_time_limit``, ``ilp_meshes``:
-    as :func:`search` takes them."""
+    ``microbatches`` micro-batches; ``time_limit``, ``ilp_time_limit``, ``ilp_meshes``,
+    ``expert_skew`` (a mixture-of-experts router's load imbalance, >= 1): as
+    :func:`search` takes them.
+
+    Example: ``jscaler.parallelize(..., plan=auto("h100_sxm", expert_skew=2.0))``."""
     return Auto(
         cluster, capacity, dtype, optimizer_slots, microbatches, time_limit, ilp_time_limit,
-        ilp_meshes, cache, progress,
+        ilp_meshes, cache, progress, expert_skew,
     )  # fmt: skip
