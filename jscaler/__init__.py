@@ -23,6 +23,7 @@ from jscaler.errors import CheckpointError as CheckpointError
 from jscaler.errors import ConfigError as ConfigError
 from jscaler.errors import CoverageError as CoverageError
 from jscaler.errors import CycleError as CycleError
+from jscaler.errors import DataError as DataError
 from jscaler.errors import DistributedError as DistributedError
 from jscaler.errors import JscalerError as JscalerError
 from jscaler.errors import LayoutError as LayoutError
@@ -102,6 +103,7 @@ __all__ = [
     "Coverage",
     "CoverageError",
     "CycleError",
+    "DataError",
     "data_parallel",
     "decouple",
     "DimClasses",

@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "CoverageError",
     "CycleError",
+    "DataError",
     "DistributedError",
     "JscalerError",
     "LayoutError",
@@ -38,6 +39,11 @@ class CheckpointError(JscalerError):
 class ConfigError(JscalerError):
     """A config file cannot be read, names an option that does not exist, or gives one a
     value of the wrong type."""
+
+
+class DataError(JscalerError):
+    """A data file (``jscaler train --data``) is missing, has the wrong format, is too
+    short for one window, or holds token ids the model cannot take."""
 
 
 class TraceError(JscalerError):

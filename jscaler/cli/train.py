@@ -19,6 +19,7 @@ from jscaler.cli.common import (
 )
 from jscaler.cli.config import add_config, to_toml
 from jscaler.cli.numbers import count, positive_int
+from jscaler.cli.train_data import add_data, batches
 from jscaler.cli.train_options import EVAL_SEED, add_metrics, add_recipe, recipe_of
 from jscaler.report import explain
 
@@ -27,15 +28,17 @@ def register(sub) -> None:
     tr = sub.add_parser(
         "train",
         help="train a reference model under a plan, with a progress bar and the loss",
-        description="Train a reference model on its synthetic data under a plan (Adam at a "
-        "constant --lr unless told otherwise). Batch s of the run is the model's synthetic "
-        "batch with seed s, so a resumed run sees the same data as an uninterrupted one. "
+        description="Train a reference model on its synthetic data (or a token file, "
+        "--data) under a plan (Adam at a constant --lr unless told otherwise). Batch s of "
+        "the run is the model's synthetic batch with seed s (or the file's batch s for "
+        "--seed), so a resumed run sees the same data as an uninterrupted one. "
         "Logs the loss, samples (or tokens) per second and MFU against --cluster's peak; a "
         "NaN or infinite loss stops the run (exit 2) with the step number, keeping the "
         "last good checkpoint. Every option can come from a TOML --config file instead.",
     )
     add_config(tr)
     tr.add_argument("--model", required=True, help="a reference model, e.g. gpt-tiny")
+    add_data(tr)
     add_plan(tr, "dp")
     add_devices(tr)
     tr.add_argument(
@@ -165,12 +168,23 @@ def _train(args, parser) -> int:
                 f"--checkpoint-dir {args.checkpoint_dir} already holds step {found}; add "
                 f"--resume to continue from it, or name an empty directory"
             )
-    spec, _, trainer, batch_size = setup_trainer(args, recipe.build())
+    spec, model, trainer, batch_size = setup_trainer(args, recipe.build())
+    train_data, eval_data = batches(args, spec, model, batch_size)
+
+    def batch(step: int, data, seed: int):  # the synthetic batch, or the file's rows
+        if data is None:
+            return spec.batch(batch_size, seed)
+        rows = data(step)
+        return trainer.global_batch(rows) if jax.process_count() > 1 else rows
+
     if args.checkpoint_dir:  # and room for one checkpoint of this trainer's state
         from jscaler.runtime.checkpoint import check_directory
 
         check_directory(args.checkpoint_dir, trainer.checkpoint_bytes())
     print(f"{spec.name}: {spec.description}")
+    if args.data:
+        held = f"; eval on {args.eval_data}" if args.eval_data else ""
+        print(f"data: {args.data}, shuffled with seed {args.seed}{held}")
     print(describe(trainer))
     print(f"recipe: {_recipe_line(recipe, args, trainer.precision)}")
     if args.explain:
@@ -216,7 +230,7 @@ def _train(args, parser) -> int:
 
     def eval_loss() -> float:  # the mean loss over the held-out batches, no update
         if not held_out:
-            held_out.extend(spec.batch(batch_size, EVAL_SEED + k) for k in range(args.eval_batches))
+            held_out.extend(batch(k, eval_data, EVAL_SEED + k) for k in range(args.eval_batches))
         return sum(trainer.eval(b)["loss"] for b in held_out) / len(held_out)
 
     began = time.perf_counter()
@@ -230,7 +244,7 @@ def _train(args, parser) -> int:
                     jax.profiler.start_trace(args.profile)
                     profiling = True
                 t0 = time.perf_counter()
-                metrics = trainer.step(spec.batch(batch_size, step))
+                metrics = trainer.step(batch(step, train_data, step))
                 took = time.perf_counter() - t0
                 if step > start_step:  # the first step compiles
                     timed.append(took)

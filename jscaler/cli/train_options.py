@@ -22,8 +22,8 @@ def add_recipe(p: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=0,
-        help="the model's initialisation seed (default 0); batch s of the run stays the "
-        "synthetic batch with seed s",
+        help="the model's initialisation seed and --data's shuffle seed (default 0); "
+        "without --data, batch s of the run stays the synthetic batch with seed s",
     )
     p.add_argument(
         "--optimizer",
