@@ -142,3 +142,36 @@ def test_data_for_a_model_that_is_not_a_token_model_or_out_of_its_vocabulary(tmp
     assert big.returncode == 2 and "holds token id 999" in big.stderr
     no_eval = run(*TRAIN, "--data", str(path), "--eval-every", "2", check=False)
     assert no_eval.returncode == 2 and "add --eval-data PATH" in no_eval.stderr
+
+
+def test_two_processes_train_on_the_batches_their_blocks_make_together(tmp_path):
+    """``jscaler launch`` of 2 processes: each reads its block; the global batch of step s
+    is process 0's rows of it then process 1's, as one process training on them sees."""
+    import subprocess
+    import sys
+
+    import jscaler
+    import models
+    from spaces.parse import parse_plan
+
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.random.default_rng(1).integers(0, 256, 20_000, dtype=np.uint16))
+    cmd = [sys.executable, "-m", "jscaler.cli", "launch", "--nprocs", "2",
+           "--devices-per-proc", "2", "--", "jscaler", "train", "--model", "gpt-tiny",
+           "--data", str(path), "--steps", "3", "--log-every", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = losses(proc.stdout)
+    blocks = [data(path, process_index=i, process_count=2) for i in range(2)]
+
+    def batch(step):
+        rows = [b.batch(step) for b in blocks]
+        return {k: np.concatenate([r[k] for r in rows]) for k in ("tokens", "targets")}
+
+    spec = models.get("gpt-tiny")
+    trainer = jscaler.parallelize(spec.init(0), spec.loss, jscaler.Recipe().build(),
+                                  batch(0), devices=4, plan=parse_plan("dp"))  # fmt: skip
+    want = {s + 1: trainer.step(batch(s))["loss"] for s in range(3)}
+    assert sorted(got) == [1, 2, 3]
+    for step, loss in want.items():  # printed to 4 decimals
+        assert got[step] == pytest.approx(loss, abs=2e-4), (step, got, want)
