@@ -140,6 +140,7 @@ def test_data_for_a_model_that_is_not_a_token_model_or_out_of_its_vocabulary(tmp
     assert "the model 'mlp-tiny' does not train on token ids" in wrong.stderr
     big = run(*TRAIN, "--data", str(path), check=False)
     assert big.returncode == 2 and "holds token id 999" in big.stderr
+    assert wrong.stdout == big.stdout == ""  # checked before the model and trainer are built
     no_eval = run(*TRAIN, "--data", str(path), "--eval-every", "2", check=False)
     assert no_eval.returncode == 2 and "add --eval-data PATH" in no_eval.stderr
 

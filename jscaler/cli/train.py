@@ -19,7 +19,7 @@ from jscaler.cli.common import (
 )
 from jscaler.cli.config import add_config, to_toml
 from jscaler.cli.numbers import count, positive_int
-from jscaler.cli.train_data import add_data, batches
+from jscaler.cli.train_data import add_data, batches, check_data
 from jscaler.cli.train_options import EVAL_SEED, add_metrics, add_recipe, recipe_of
 from jscaler.report import explain
 
@@ -168,8 +168,9 @@ def _train(args, parser) -> int:
                 f"--checkpoint-dir {args.checkpoint_dir} already holds step {found}; add "
                 f"--resume to continue from it, or name an empty directory"
             )
-    spec, model, trainer, batch_size = setup_trainer(args, recipe.build())
-    train_data, eval_data = batches(args, spec, model, batch_size)
+    check_data(args)  # a file that does not fit the model: before the model is built
+    spec, _, trainer, batch_size = setup_trainer(args, recipe.build())
+    train_data, eval_data = batches(args, spec, batch_size)
 
     def batch(step: int, data, seed: int):  # the synthetic batch, or the file's rows
         if data is None:

@@ -7,7 +7,7 @@ import argparse
 
 from jscaler.errors import DataError
 
-__all__ = ["add_data", "batches"]
+__all__ = ["add_data", "batches", "check_data"]
 
 
 def add_data(p: argparse.ArgumentParser) -> None:
@@ -32,12 +32,12 @@ def add_data(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _token_shape(spec, batch_size: int) -> tuple[int, int]:
-    """(batch_size, seq_len) of the model's batch, or a DataError when the batch is not
+def _seq_len(spec) -> int:
+    """The sequence length of the model's batch, or a DataError when the batch is not
     ``{"tokens", "targets"}`` of integer token ids."""
     import numpy as np
 
-    example = spec.batch(batch_size, 0)
+    example = spec.batch(spec.batch_size, 0)
     leaves = list(example.values()) if isinstance(example, dict) else []
     if (
         not isinstance(example, dict)
@@ -56,31 +56,48 @@ def _token_shape(spec, batch_size: int) -> tuple[int, int]:
             f"--data with a token model (gpt-tiny, gpt-small, moe-tiny, ...), or drop --data "
             f"to train {spec.name!r} on its synthetic batches"
         )
-    return tuple(example["tokens"].shape)
+    return int(example["tokens"].shape[1])
 
 
-def batches(args, spec, model, batch_size: int):
-    """``(train, held_out)``: ``train(step)`` is the batch of step ``step`` (this process's
-    rows when there are several), ``held_out`` the eval batches' function of ``k`` or None
-    (use the synthetic ones); both None without ``--data``."""
+def check_data(args) -> None:
+    """``--data`` and ``--eval-data`` checked before the trainer is built (a model of
+    shapes only): the model trains on token ids, each file reads as token ids, holds a
+    window per process and only ids in the model's vocabulary (where the model has a
+    ``cfg.vocab_size``)."""
     if args.eval_data and not args.data:
         raise DataError("--eval-data needs --data (without it, eval batches are synthetic)")
     if not args.data:
-        return None, None
+        return
     if args.eval_every and not args.eval_data:
         raise DataError(
             f"--eval-every {args.eval_every} with --data {args.data}: the eval loss needs "
             f"held-out tokens; add --eval-data PATH (a token file not trained on), or drop "
             f"--eval-every"
         )
+    import jax
+
+    import models
+    from jscaler.cli.common import abstract_model
+    from jscaler.runtime.data import check_tokens
+
+    spec = models.get(args.model)
+    seq_len = _seq_len(spec)
+    vocab = getattr(getattr(abstract_model(spec), "cfg", None), "vocab_size", None)
+    for path in filter(None, (args.data, args.eval_data)):
+        check_tokens(path, seq_len=seq_len, vocab_size=vocab, process_count=jax.process_count())
+
+
+def batches(args, spec, batch_size: int):
+    """``(train, held_out)``: ``train(step)`` is the batch of step ``step`` (this process's
+    rows when there are several), ``held_out(k)`` the eval batch ``k`` or None (use the
+    synthetic ones); both None without ``--data``. The files are :func:`check_data`'s."""
+    if not args.data:
+        return None, None
     from jscaler.runtime.data import TokenData
 
-    _, seq_len = _token_shape(spec, batch_size)
-    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    seq_len = _seq_len(spec)
 
     def load(path):
-        return TokenData(
-            path, seq_len=seq_len, batch_size=batch_size, seed=args.seed, vocab_size=vocab
-        ).batch
+        return TokenData(path, seq_len=seq_len, batch_size=batch_size, seed=args.seed).batch
 
     return load(args.data), load(args.eval_data) if args.eval_data else None

@@ -18,7 +18,7 @@ import numpy as np
 
 from jscaler.errors import DataError
 
-__all__ = ["TokenData", "open_tokens", "shard_windows"]
+__all__ = ["TokenData", "check_tokens", "open_tokens", "shard_windows"]
 
 
 def open_tokens(path: str | Path) -> np.ndarray:
@@ -55,6 +55,36 @@ def open_tokens(path: str | Path) -> np.ndarray:
             f"{tuple(tokens.shape)} of {tokens.dtype}; save it with "
             f"np.save(path, ids.reshape(-1).astype(np.uint16)) (or int32 for a vocab > 65536)"
         )
+    return tokens
+
+
+def check_tokens(
+    path: str | Path, *, seq_len: int, vocab_size: int | None = None, process_count: int = 1
+) -> np.ndarray:
+    """The token ids of ``path`` (:func:`open_tokens`), checked to hold a window of
+    ``seq_len + 1`` tokens for each of ``process_count`` processes and, when
+    ``vocab_size`` is given, only ids in ``[0, vocab_size)`` (the whole file's min and max:
+    one pass over the memmap).
+
+    Raises:
+      DataError: as :func:`open_tokens`; too few tokens; an id outside the vocabulary.
+    """
+    tokens = open_tokens(path)
+    if (len(tokens) - 1) // seq_len < process_count:
+        need = "one window" if process_count == 1 else f"{process_count} windows (one each)"
+        raise DataError(
+            f"--data {path}: {len(tokens)} tokens, too few for {need} of seq_len + 1 = "
+            f"{seq_len + 1} tokens; the model needs at least {process_count * seq_len + 1} "
+            f"tokens: use a longer file"
+        )
+    if vocab_size is not None:
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab_size:
+            raise DataError(
+                f"--data {path}: holds token id {high if high >= vocab_size else low}, but "
+                f"the model's vocabulary is [0, {vocab_size}); tokenize with the model's "
+                f"tokenizer (ids below {vocab_size}), or train a model with a larger vocab_size"
+            )
     return tokens
 
 
@@ -120,24 +150,10 @@ class TokenData:
 
             process_index, process_count = jax.process_index(), jax.process_count()
         self.path, self.seq_len = Path(path), seq_len
-        self.tokens = open_tokens(path)
+        self.tokens = check_tokens(
+            path, seq_len=seq_len, vocab_size=vocab_size, process_count=process_count
+        )
         self.windows = (len(self.tokens) - 1) // seq_len
-        if self.windows < process_count:
-            need = "one window" if process_count == 1 else f"{process_count} windows (one each)"
-            raise DataError(
-                f"--data {path}: {len(self.tokens)} tokens, too few for {need} "
-                f"of seq_len + 1 = {seq_len + 1} tokens; the model needs at least "
-                f"{process_count * seq_len + 1} tokens: use a longer file"
-            )
-        if vocab_size is not None and len(self.tokens):
-            low, high = int(self.tokens.min()), int(self.tokens.max())
-            if low < 0 or high >= vocab_size:
-                bad = high if high >= vocab_size else low
-                raise DataError(
-                    f"--data {path}: holds token id {bad}, but the model's vocabulary is "
-                    f"[0, {vocab_size}); tokenize with the model's tokenizer (ids below "
-                    f"{vocab_size}), or train a model with a larger vocab_size"
-                )
         if batch_size % process_count:
             raise DataError(
                 f"--data {path}: the global batch size {batch_size} does not split over "
