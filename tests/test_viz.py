@@ -95,3 +95,85 @@ def test_cli_viz_reports_a_bad_schedule(tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "x.png")]) == 2
     assert "multiple of 4" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+# plan mode: a plan's step and memory per device as the cost model predicts them
+
+
+def _estimate(plan: dict, cluster=None):
+    """The estimate ``jscaler viz --model gpt-tiny --plan "megatron(**plan)"`` draws: Adam,
+    and a pipeline's 2*pp micro-batches of the model's batch size, as the command takes."""
+    import optax
+
+    import models
+    from spaces import megatron
+
+    spec = models.get("gpt-tiny")
+    m = 2 * plan["pp"] if plan.get("pp", 1) > 1 else 1
+    batch = spec.batch(spec.batch_size * m, 0)
+    trainer = jscaler.parallelize(
+        spec.init(0), spec.loss, optax.adam(1e-3), batch, devices=8, plan=megatron(**plan),
+        microbatches=m, cluster=cluster,
+    )  # fmt: skip
+    return trainer.estimate()
+
+
+def _printed(out: str, what: str) -> dict[str, float]:
+    """``name value`` pairs of the summary line starting with ``what``."""
+    line = next(ln for ln in out.splitlines() if ln.startswith(what))
+    body = line.split(": ", 1)[1]
+    pairs = [p.strip().split(" ") for p in body.replace(";", ",").split(",")]
+    return {p[0]: float(p[1]) for p in pairs if len(p) >= 2 and p[1][:1].isdigit()}
+
+
+def test_cli_viz_plan_writes_both_pngs_and_prints_the_estimate(tmp_path, capsys):
+    argv = ["viz", "--model", "gpt-tiny", "--plan", "megatron(tp=2, dp=4)"]
+    assert main([*argv, "--out", str(tmp_path / "v")]) == 0
+    out = capsys.readouterr().out
+    for name in ("timeline.png", "memory.png"):
+        path = tmp_path / "v" / name
+        assert path.stat().st_size > 1000
+        height, width = _png_size(path)
+        assert width > 300 and height > 200
+    assert f"wrote {tmp_path / 'v' / 'timeline.png'} and {tmp_path / 'v' / 'memory.png'}" in out
+    est = _estimate({"tp": 2, "dp": 4})
+    assert f"predicted step {est.step_time * 1e3:.3f} ms" in out
+    assert "memory per device (MiB, Adam" in out
+    printed = _printed(out, "memory per device")
+    for part in ("params", "optimizer", "batch", "grads", "activations"):
+        assert printed[part] == pytest.approx(est.memory[part] / 2**20, abs=5e-4), part
+    assert printed["peak"] == pytest.approx(est.memory["total"] / 2**20, abs=5e-4)
+    assert est.memory["optimizer"] == 2 * est.memory["params"]  # Adam's two moments
+
+
+def test_cli_viz_a_pipeline_plan_shows_its_fullest_device_and_the_capacity(tmp_path, capsys):
+    argv = ["viz", "--model", "gpt-tiny", "--plan", "megatron(pp=2, dp=4)"]
+    assert main([*argv, "--cluster", "a100_80g", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "one_f_one_b, 4 micro-batches" in out and "bubble" in out
+    est = _estimate({"pp": 2, "dp": 4}, "a100_80g")
+    assert max(m["total"] for m in est.device_memory.values()) == est.memory["total"]
+    assert len(est.device_memory) == 8
+    printed = _printed(out, "memory per device")
+    assert printed["peak"] == pytest.approx(est.memory["total"] / 2**20, abs=5e-4)
+    assert "of 80 GiB" in out
+    assert (tmp_path / "memory.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "nothing to draw"),
+        (["--model", "gpt-tiny", "--plan", "dp", "--stages", "2"], "--stages is schedule mode's"),
+        (["--schedule", "gpipe", "--stages", "2", "--cluster", "cpu"], "but --cluster is plan"),
+        (["--plan", "dp"], "plan mode needs --model"),
+        (["--model", "gpt-tiny"], "plan mode needs --plan"),
+        (["--schedule", "gpipe", "--stages", "2"], "schedule mode needs --microbatches"),
+    ],
+)
+def test_cli_viz_mixing_the_modes_is_a_usage_error(argv, message, tmp_path, capsys):
+    assert main(["viz", *argv, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "--model M --plan P" in err
+    assert not (tmp_path / "x").exists()

@@ -20,11 +20,11 @@ def add_devices(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_plan(p: argparse.ArgumentParser, default: str | None) -> None:
+def add_plan(p: argparse.ArgumentParser, default: str | None, required: bool = True) -> None:
     p.add_argument(
         "--plan",
         default=default,
-        required=default is None,
+        required=default is None and required,
         help='a space call with literal arguments, e.g. "megatron(tp=2, dp=4)" or '
         '"zero(stage=3)"; a bare name means its defaults; or the path of a plan JSON'
         + (f" (default: {default})" if default else ""),

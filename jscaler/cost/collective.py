@@ -61,10 +61,18 @@ class Combined:
             sizes.append(0.0)
         sizes[-1] += nbytes
 
+    def buckets(self) -> list[tuple]:
+        """Each merged collective as ``(key, kind, group, bytes, seconds)``, in the order
+        the collectives were added."""
+        return [
+            (key, kind, group, b, collective_time(kind, b, group, self.cluster, self.algorithm))
+            for (key, kind, group), sizes in self._buckets.items()
+            for b in sizes
+        ]
+
     def seconds(self) -> dict:
         """key -> seconds of its merged collectives."""
         out: dict = {}
-        for (key, kind, group), sizes in self._buckets.items():
-            t = sum(collective_time(kind, b, group, self.cluster, self.algorithm) for b in sizes)
+        for key, _, _, _, t in self.buckets():
             out[key] = out.get(key, 0.0) + t
         return out

@@ -97,6 +97,9 @@ class Estimate:
     peak: float = 0.0
     bubble: float = 0.0  # pipelines: the idle fraction of device-time
     timeline: object = field(default=None, repr=False, compare=False)
+    # pipelines: each device's memory dict (``memory`` is the fullest's); empty for an
+    # SPMD plan, whose devices all hold ``memory``
+    device_memory: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def mfu(self) -> float:

@@ -243,6 +243,7 @@ def estimate_pipeline(
         cl.peak(dtype),
         timeline.bubble(),
         timeline,
+        dict(sorted(per_device.items())),
     )
 
 

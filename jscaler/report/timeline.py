@@ -13,22 +13,47 @@ import json
 import os
 
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
-from jscaler.compile.comm import comm_table
+from jscaler.compile.comm import comm_table, from_params_only
 from jscaler.compile.lower import lower
 from jscaler.cost.cluster import get_cluster
-from jscaler.cost.collective import collective_time
-from jscaler.cost.estimate import Estimate, device_times, needs_grad, recomputed_ops
+from jscaler.cost.collective import Combined, collective_time
+from jscaler.cost.estimate import (
+    Estimate,
+    device_times,
+    needs_grad,
+    recomputed_ops,
+    value_scale,
+)
 from jscaler.errors import PlanError
 from jscaler.plan.plan import Plan
 
 __all__ = ["spmd_events", "write_pipeline_timeline", "write_spmd_timeline"]
 
-COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868", "comm": "#c44e52"}
+COLORS = {
+    "forward": "#4c72b0",
+    "backward": "#dd8452",
+    "optimizer": "#55a868",
+    "comm": "#c44e52",
+    "grad_comm": "#937860",
+}
+LABELS = {
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer",
+    "comm": "collective",
+    "grad_comm": "gradient reduction",
+}
 
 
 def spmd_events(plan: Plan, est: Estimate, precision: str, microbatches: int) -> list[dict]:
-    """Chrome-trace complete events (µs) of one step of an SPMD plan."""
+    """Chrome-trace complete events (µs) of one step of an SPMD plan, timed as
+    :func:`jscaler.cost.estimate` times it: the activations' collectives (tensor and
+    sequence parallel) block the compute after their phase of each micro-batch; the
+    parameter gradients' reductions run once, merged into buckets, behind the backward;
+    the optimizer side's merged collectives follow the update."""
     cl = get_cluster(est.cluster)
     dtype = "bf16" if precision == "bf16" else "fp32"
     g = plan.pgraph.graph
@@ -37,45 +62,71 @@ def spmd_events(plan: Plan, est: Estimate, precision: str, microbatches: int) ->
     path = {o.id: o.path or o.primitive for o in g.ops}
     name = {o.id: o.primitive for o in g.ops}
     devices = list(plan.mesh.devices)
-    clock = dict.fromkeys(devices, 0.0)
+    clock = dict.fromkeys(devices, 0.0)  # compute lane; blocking collectives advance it
+    link = dict.fromkeys(devices, 0.0)  # the merged gradient reductions' lane
     events: list[dict] = []
-    phase_span: dict = {}  # (phase, micro-batch) -> (start, end) over devices
 
     def put(dev, label, seconds, phase, mb, where):
-        start = clock[dev]
-        clock[dev] = start + seconds
-        events.append(_event(label, start, seconds, dev, 0, phase, where, mb))
-        s, e = phase_span.get((phase, mb), (start, clock[dev]))
-        phase_span[(phase, mb)] = (min(s, start), max(e, clock[dev]))
+        events.append(_event(label, clock[dev], seconds, dev, 0, phase, where, mb))
+        clock[dev] += seconds
 
+    def blocking(rows, mb):
+        for label, seconds, where, nbytes in rows:
+            for dev in devices:
+                events.append(_event(label, clock[dev], seconds, dev, 1, "comm", where, mb, nbytes))
+                clock[dev] += seconds
+                link[dev] = max(link[dev], clock[dev])
+
+    scale = value_scale(dtype)
+    params = from_params_only(g)
+    combined = Combined(cl)
+    exposed: dict = {}  # (phase, micro-batch) -> [(collective, seconds, path, bytes)]
+    for r in comm_table(lower(plan, None), microbatches).rows:
+        group = plan.mesh.group(**{a: 0 for a in plan.mesh.names if a not in r.axes})
+        if (r.phase == "backward" and r.tensor in params) or r.phase == "update":
+            nbytes = r.bytes * (scale if r.phase != "update" else 1.0)
+            combined.add(r.phase == "backward", r.collective, group, nbytes)
+            continue
+        t = collective_time(r.collective, r.bytes * scale, group, cl)
+        phase = "forward" if r.phase == "forward" else "backward"
+        for k in range(r.times):
+            exposed.setdefault((phase, k % microbatches), []).append(
+                (r.collective, t, r.path, r.bytes * scale)
+            )
+    merged = combined.buckets()
     order = [o.id for o in g.ops if o.id in times]
     for mb in range(microbatches):
         for op in order:
             for dev, t in times[op][0].items():
                 put(dev, name[op], t, "forward", mb, path[op])
+        blocking(exposed.get(("forward", mb), ()), mb)
+        if mb == 0:  # the gradient reductions start with the backward
+            for grad, kind, _, nbytes, t in merged:
+                if grad:
+                    for dev in devices:
+                        start = max(link[dev], clock[dev])
+                        label = f"{kind} (gradients, merged)"
+                        ev = _event(label, start, t, dev, 1, "grad_comm", label, None, nbytes)
+                        events.append(ev)
+                        link[dev] = start + t
         for op in reversed(order):
             if op in optimizer:
                 continue
             for dev, t in times[op][1].items():
                 put(dev, name[op], t, "backward", mb, path[op])
+        blocking(exposed.get(("backward", mb), ()), mb)
+    for dev in devices:  # the update waits for the gradients
+        clock[dev] = max(clock[dev], link[dev])
     for op, (_, bwd) in times.items():
         if op in optimizer:
             for dev, t in bwd.items():
                 put(dev, "update", t, "optimizer", None, "optimizer")
-    low = lower(plan, None)
-    table = comm_table(low, microbatches)
-    link = dict.fromkeys(devices, 0.0)
-    for r in table.rows:
-        fixed = {a: 0 for a in plan.mesh.names if a not in r.axes}
-        t = collective_time(r.collective, r.bytes, plan.mesh.group(**fixed), cl)
-        phase = {"update": "optimizer"}.get(r.phase, r.phase)
-        phase = "backward" if phase == "recompute" else phase
-        for mb in range(r.times if r.phase != "update" else 1):
-            start_of_phase = phase_span.get((phase, mb if phase != "optimizer" else None))
-            for dev in devices:
-                start = max(link[dev], start_of_phase[0] if start_of_phase else 0.0)
-                link[dev] = start + t
-                events.append(_event(r.collective, start, t, dev, 1, "comm", r.path, mb, r.bytes))
+    rows = [
+        (f"{kind} (optimizer, merged)", t, "optimizer", nbytes)
+        for grad, kind, _, nbytes, t in merged
+        if not grad
+    ]
+    blocking(rows, None)
     return events
 
 
@@ -102,11 +153,16 @@ def write_spmd_timeline(plan: Plan, est: Estimate, path, precision: str, microba
     events = spmd_events(plan, est, precision, microbatches)
     lanes = {0: "compute", 1: "collectives"}
     title = f"{est.plan} on {est.devices} x {est.cluster}, SIMULATED by the cost model"
-    _write(events, path, title, lambda e: (f"device {e['pid']}", lanes[e["tid"]]))
+
+    def name(e):
+        return f"device {e['pid']}", lanes[e["tid"]]
+
+    _write(events, path, title, name, est.step_time)
 
 
-def write_pipeline_timeline(timeline, path, title: str) -> None:
-    """Writes a pipeline's simulated :class:`~jscaler.plan.timeline.Timeline` (seconds)."""
+def write_pipeline_timeline(timeline, path, title: str, step: float | None = None) -> None:
+    """Writes a pipeline's simulated :class:`~jscaler.plan.timeline.Timeline` (seconds);
+    ``step``, the predicted step (seconds), is marked on a PNG."""
     events = []
     placement = timeline.schedule.placement
     for b, (s, e) in sorted(timeline.spans.items(), key=lambda kv: kv[1]):
@@ -124,10 +180,10 @@ def write_pipeline_timeline(timeline, path, title: str) -> None:
                 "args": {"stage": b.stage, "microbatch": b.microbatch, "kind": b.kind},
             }
         )
-    _write(events, path, title, lambda e: (f"group {e['pid']}", "blocks"))
+    _write(events, path, title, lambda e: (f"group {e['pid']}", "blocks"), step)
 
 
-def _write(events, path, title, lane_name) -> None:
+def _write(events, path, title, lane_name, step=None) -> None:
     ext = os.path.splitext(str(path))[1].lower()
     if ext == ".json":
         names = {}
@@ -145,10 +201,10 @@ def _write(events, path, title, lane_name) -> None:
         return
     if ext != ".png":
         raise PlanError(f"timeline path {str(path)!r}: expected a .json (Chrome trace) or .png")
-    _draw(events, path, title, lane_name)
+    _draw(events, path, title, lane_name, step)
 
 
-def _draw(events, path, title, lane_name) -> None:
+def _draw(events, path, title, lane_name, step) -> None:
     lanes = sorted({(e["pid"], e["tid"]) for e in events})
     row = {lane: i for i, lane in enumerate(lanes)}
     fig = Figure(figsize=(12, 0.35 * len(lanes) + 1.2))
@@ -159,6 +215,12 @@ def _draw(events, path, title, lane_name) -> None:
         bars.setdefault(key, []).append((e["ts"] / 1e3, e["dur"] / 1e3))
     for (y, color), spans in bars.items():
         ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=color, edgecolors="none")
+    drawn = {e["cat"] for e in events}
+    key = [Patch(color=c, label=LABELS[cat]) for cat, c in COLORS.items() if cat in drawn]
+    if step is not None:
+        ax.axvline(step * 1e3, color="black", linestyle="--", linewidth=1)
+        key.append(Line2D([], [], color="black", linestyle="--", label="predicted step"))
+    ax.legend(handles=key, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([" ".join(lane_name({"pid": p, "tid": t})) for p, t in lanes], fontsize=7)
     ax.invert_yaxis()

@@ -381,7 +381,7 @@ class PipelineProgram:
             f"{self.plan.name} / {self.schedule.name} on {est.devices} x {est.cluster}: "
             f"bubble {est.bubble:.1%}, SIMULATED by the cost model"
         )
-        write_pipeline_timeline(est.timeline, path, title)
+        write_pipeline_timeline(est.timeline, path, title, est.step_time)
         return est
 
 
