@@ -54,6 +54,7 @@ __all__ = [
     "disk_bytes",
     "latest_step",
     "prune",
+    "read_params",
     "restore",
     "save",
     "save_async",
@@ -368,6 +369,57 @@ def restore(
         f"no usable checkpoint in {directory}: expected step folders written by "
         f"trainer.save(), found {found}. Check the path, or start from scratch"
     )
+
+
+def read_params(directory: str | os.PathLike, step: int | None = None) -> tuple[int, dict]:
+    """``(step, {name: host array})``: the parameters alone of the checkpoint of ``step``
+    (default the newest usable one) in ``directory``, by the names the saving trainer gave
+    them (their module paths), read without building the model, checked against their
+    checksums. For exporting weights (``jscaler export``).
+
+    Raises:
+      CheckpointError: no usable checkpoint, the step is missing, or a parameter is
+        damaged on disk.
+    """
+    directory = Path(directory).absolute()
+    if step is None:
+        steps, skipped = _scan(directory)
+        if not steps:
+            found = "; ".join(skipped) if skipped else "no step folder"
+            raise CheckpointError(
+                f"no usable checkpoint in {directory}: expected step folders written by "
+                f"trainer.save() (jscaler train --checkpoint-dir), found {found}"
+            )
+        step, meta = steps[0]
+    else:
+        meta, problem = _read_meta(directory / str(step))
+        if problem:
+            raise CheckpointError(
+                f"cannot read step {step} from {directory}: {problem}. Steps there: "
+                f"{[s for s, _ in _scan(directory)[0]] or 'none'}"
+            )
+    names = [label for label, _, _ in meta["params"]]
+    target = {
+        "params": {
+            _key(i): np.empty(shape, np.dtype(dtype))
+            for i, (_, shape, dtype) in enumerate(meta["params"])
+        }
+    }
+    how = {"params": {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in target["params"]}}
+    partial = ocp.args.PyTreeRestore(target, restore_args=how, partial_restore=True)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        got = ckptr.restore(directory / str(step), ocp.args.Composite(**{ARRAYS: partial}))
+    values = [np.asarray(got[ARRAYS]["params"][_key(i)]) for i in range(len(names))]
+    saved = (meta.get("checksums") or {}).get("params")
+    if saved is not None:
+        for name, want, have in zip(names, saved, fingerprints(values)):
+            if want != have:
+                raise CheckpointError(
+                    f"cannot read step {step} from {directory}: parameter {name!r} is "
+                    f"damaged on disk (checksum {have:#010x}, saved as {want:#010x}); "
+                    f"export another step (--step)"
+                )
+    return step, dict(zip(names, values))
 
 
 def prune(directory: str | os.PathLike, keep: int) -> list[Path]:

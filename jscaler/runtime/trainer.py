@@ -18,7 +18,7 @@ from jscaler.cost.estimate import Estimate
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
 from jscaler.plan.kind import AnyPlan
-from jscaler.runtime import checkpoint
+from jscaler.runtime import checkpoint, safetensors_io
 from jscaler.runtime.builder import Planner
 from jscaler.runtime.distributed import peer_failures_as_errors
 from jscaler.runtime.program import Program, check_finite
@@ -245,6 +245,25 @@ class Trainer:
             directory, self.state, self.program.shardings(), self._names(), step
         )
         return self.step_count
+
+    def load_safetensors(self, directory) -> safetensors_io.LoadReport:
+        """Replaces the parameters with those of the Hugging Face safetensors checkpoint in
+        ``directory`` (``model.safetensors``, PyTorch or Flax names; see
+        :mod:`jscaler.runtime.safetensors_io`) and starts the optimizer afresh from them;
+        the step count is kept. Each device reads only the slices of each tensor that the
+        plan gives it. Returns what was read.
+
+        Raises:
+          CheckpointError: a parameter is missing from the checkpoint or has another shape
+            there.
+        """
+        like = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in self.state.params]
+        params, report = safetensors_io.read(
+            directory, self._names().params, like, self.program.shardings().params
+        )
+        fresh = self.program.init(params, self.state.model_state)
+        self.state = fresh.replace(step=self.state.step)
+        return report
 
     # ---- inspection and predictions ------------------------------------------------------------
 
