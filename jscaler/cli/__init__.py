@@ -13,6 +13,7 @@ import traceback
 
 from jscaler.cli import (
     bench,
+    export,
     inspect_graph,
     launch_cmd,
     plan,
@@ -26,7 +27,7 @@ from jscaler.cli.config import CommandParser, apply, find_config, load
 
 __all__ = ["describe", "main", "parse_schedule"]
 
-_COMMANDS = (inspect_graph, train, verify, plan, launch_cmd, bench, viz, profile)
+_COMMANDS = (inspect_graph, train, verify, plan, launch_cmd, bench, viz, profile, export)
 INTERNAL_ERROR = 3  # exit status of a crash jscaler did not turn into one of its errors
 
 

@@ -93,6 +93,16 @@ def register(sub) -> None:
         "waits for the one before; the run waits for the last before it exits)",
     )
     tr.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from the weights of a Hugging Face safetensors checkpoint (DIR/"
+        "model.safetensors, PyTorch or Flax names) instead of the model's initialisation; "
+        "each device reads only its own slices. The model must have the checkpoint's "
+        "shapes (build it from DIR/config.json); the config is copied into "
+        "--checkpoint-dir for jscaler export",
+    )
+    tr.add_argument(
         "--resume",
         action="store_true",
         help="continue from the latest complete checkpoint in --checkpoint-dir (its "
@@ -125,6 +135,23 @@ def _recipe_line(recipe, args, precision: str) -> str:
     if args.grad_accum > 1:
         line += f", {args.grad_accum} batches accumulated per update"
     return line + f", seed {args.seed}, {precision}"
+
+
+def _init_from(trainer, args) -> None:
+    """Loads ``--init-from``'s weights and copies its config.json beside the checkpoints."""
+    import shutil
+    from pathlib import Path
+
+    report = trainer.load_safetensors(args.init_from)
+    per_device = max(report.bytes_per_device.values(), default=0)
+    unused = f"; {len(report.unused)} of its tensors unused" if report.unused else ""
+    print(
+        f"init from {args.init_from}: {report.tensors} tensors ({report.format} names), at "
+        f"most {per_device / 1e6:.2f} MB read per device{unused}"
+    )
+    config = Path(args.init_from) / "config.json"
+    if args.checkpoint_dir and config.is_file():
+        shutil.copyfile(config, Path(args.checkpoint_dir) / "config.json")
 
 
 def _memory() -> list[int] | None:
@@ -169,6 +196,10 @@ def _train(args, parser) -> int:
                 f"--resume to continue from it, or name an empty directory"
             )
     check_data(args)  # a file that does not fit the model: before the model is built
+    if args.init_from:  # and a folder that holds no weights
+        from jscaler.runtime.safetensors_io import weight_files
+
+        weight_files(args.init_from)
     spec, _, trainer, batch_size = setup_trainer(args, recipe.build())
     train_data, eval_data = batches(args, spec, batch_size)
 
@@ -194,6 +225,8 @@ def _train(args, parser) -> int:
         for plan in plans_of(trainer):
             print(explain(plan))
     start_step = 0
+    if args.init_from:
+        _init_from(trainer, args)
     if args.resume:
         if latest_step(args.checkpoint_dir) is not None:
             start_step = trainer.restore(args.checkpoint_dir)
