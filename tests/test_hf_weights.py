@@ -60,10 +60,10 @@ def _flat(params) -> dict:
     return {"/".join(k): np.asarray(v) for k, v in flatten_dict(params).items()}
 
 
-def _trainer(model, optimizer=None):
+def _trainer(model, plan=None, devices=8, microbatches=1):
     return jscaler.parallelize(
-        model.params, _loss(model), optimizer or optax.sgd(0.1), _batch(0), devices=8,
-        plan=megatron(tp=2, dp=4),
+        model.params, _loss(model), optax.sgd(0.1), _batch(0), devices=devices,
+        plan=plan or megatron(tp=2, dp=4), microbatches=microbatches,
     )  # fmt: skip
 
 
@@ -103,10 +103,14 @@ def test_a_conv_kernel_round_trips_through_the_pytorch_layout(tmp_path):
     assert set(report.bytes_per_device.values()) == {kernel.nbytes // 8}  # its eighth each
 
 
-def test_init_from_gives_each_device_only_its_slices(tmp_path):
+@pytest.mark.parametrize("plan", ["megatron(tp=2, dp=4)", "megatron(pp=2, dp=2)"])
+def test_init_from_gives_each_device_only_its_slices(plan, tmp_path):
     source = _gpt2(seed=1)
     source.save_pretrained(tmp_path, safe_serialization=True)  # transformers' Flax names
-    trainer = _trainer(_gpt2(seed=0))
+    if plan.startswith("megatron(pp"):  # a pipeline: each stage's devices read its layers
+        trainer = _trainer(_gpt2(seed=0), megatron(pp=2, dp=2), devices=4, microbatches=2)
+    else:
+        trainer = _trainer(_gpt2(seed=0))
     report = trainer.load_safetensors(tmp_path)
     _equal(_flat(trainer.params), _flat(source.params))
     assert report.format == "flax" and report.tensors == len(_flat(source.params))
@@ -117,7 +121,7 @@ def test_init_from_gives_each_device_only_its_slices(tmp_path):
             kept[shard.device] = kept.get(shard.device, 0) + shard.data.nbytes
     assert report.bytes_per_device == kept
     whole = sum(v.nbytes for v in _flat(source.params).values())
-    assert max(kept.values()) < whole  # megatron(tp=2) splits some of them
+    assert max(kept.values()) < whole  # tp splits some of them; pp puts layers apart
     # the optimizer starts from the loaded weights, and the first loss is theirs
     loss = trainer.step(_batch(1))["loss"]
     np.testing.assert_allclose(loss, _loss(source)(source.params, _batch(1)), rtol=1e-5)
