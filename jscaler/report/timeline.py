@@ -180,10 +180,10 @@ def write_pipeline_timeline(timeline, path, title: str, step: float | None = Non
                 "args": {"stage": b.stage, "microbatch": b.microbatch, "kind": b.kind},
             }
         )
-    _write(events, path, title, lambda e: (f"group {e['pid']}", "blocks"), step)
+    _write(events, path, title, lambda e: (f"group {e['pid']}", "blocks"), step, labelled=True)
 
 
-def _write(events, path, title, lane_name, step=None) -> None:
+def _write(events, path, title, lane_name, step=None, labelled=False) -> None:
     ext = os.path.splitext(str(path))[1].lower()
     if ext == ".json":
         names = {}
@@ -201,10 +201,13 @@ def _write(events, path, title, lane_name, step=None) -> None:
         return
     if ext != ".png":
         raise PlanError(f"timeline path {str(path)!r}: expected a .json (Chrome trace) or .png")
-    _draw(events, path, title, lane_name, step)
+    _draw(events, path, title, lane_name, step, labelled)
 
 
-def _draw(events, path, title, lane_name, step) -> None:
+def _draw(events, path, title, lane_name, step, labelled=False) -> None:
+    """``labelled``: each bar outlined and named (a pipeline's blocks, ``F0``, ``B1``, so
+    back-to-back blocks of one kind stay apart); otherwise one artist per lane and colour
+    (an SPMD step's thousands of ops)."""
     lanes = sorted({(e["pid"], e["tid"]) for e in events})
     row = {lane: i for i, lane in enumerate(lanes)}
     fig = Figure(figsize=(12, 0.35 * len(lanes) + 1.2))
@@ -214,7 +217,17 @@ def _draw(events, path, title, lane_name, step) -> None:
         key = (row[(e["pid"], e["tid"])], COLORS.get(e["cat"], "#8172b3"))
         bars.setdefault(key, []).append((e["ts"] / 1e3, e["dur"] / 1e3))
     for (y, color), spans in bars.items():
-        ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=color, edgecolors="none")
+        edge = ("white", 1.0) if labelled else ("none", 0.0)
+        ax.broken_barh(
+            spans, (y - 0.4, 0.8), facecolors=color, edgecolors=edge[0], linewidth=edge[1]
+        )
+    if labelled:
+        end = max(e["ts"] + e["dur"] for e in events) / 1e3
+        for e in events:
+            start, width = e["ts"] / 1e3, e["dur"] / 1e3
+            if width > end / 60:  # room for the name
+                y = row[(e["pid"], e["tid"])]
+                ax.text(start + width / 2, y, e["name"], ha="center", va="center", fontsize=6)
     drawn = {e["cat"] for e in events}
     key = [Patch(color=c, label=LABELS[cat]) for cat, c in COLORS.items() if cat in drawn]
     if step is not None:
