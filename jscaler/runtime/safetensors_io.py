@@ -20,6 +20,7 @@ parameter dict in the ``"pt"`` convention.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -112,35 +113,42 @@ def read(
     from safetensors import safe_open
 
     files = weight_files(directory)
-    handles = [safe_open(str(f), framework="numpy") for f in files]
-    fmt = (handles[0].metadata() or {}).get("format", "pt")
-    where = {key: h for h in handles for key in h.keys()}
-    report = LoadReport(files, fmt)
-    used = set()
-    arrays = []
-    for name, want, sharding in zip(names, like, shardings, strict=True):
-        key, perm = _find(name, len(want.shape), fmt, where, directory)
-        used.add(key)
-        tensor = where[key].get_slice(key)
-        shape = tuple(tensor.get_shape())
-        mapped = shape if perm is None else tuple(shape[i] for i in perm)
-        if mapped != tuple(want.shape):
-            how = "" if perm is None else f" ({shape} transposed to {perm})"
-            raise CheckpointError(
-                f"{directory}: parameter {name!r} is {list(mapped)} in the checkpoint "
-                f"({key!r}{how}) and {list(want.shape)} in the model; build the model from "
-                f"the checkpoint's config.json"
-            )
-        read_slice = _slicer(tensor, perm, np.dtype(want.dtype))
-        pieces = []
-        for device, index in sharding.addressable_devices_indices_map(want.shape).items():
-            piece = read_slice(index)
-            report.bytes_per_device[device] = report.bytes_per_device.get(device, 0) + piece.nbytes
-            pieces.append(jax.device_put(piece, device))
-        arrays.append(jax.make_array_from_single_device_arrays(want.shape, sharding, pieces))
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="numpy")) for f in files]
+        fmt = (handles[0].metadata() or {}).get("format", "pt")
+        where = {key: h for h in handles for key in h.keys()}
+        report = LoadReport(files, fmt)
+        arrays, used = [], set()
+        for name, want, sharding in zip(names, like, shardings, strict=True):
+            key, perm = _find(name, len(want.shape), fmt, where, directory)
+            what = f"{directory}: parameter {name!r} ({key!r}"
+            arrays.append(_place(where[key].get_slice(key), perm, want, sharding, report, what))
+            used.add(key)
     report.tensors = len(used)
     report.unused = sorted(set(where) - used)
     return arrays, report
+
+
+def _place(tensor, perm, want, sharding, report: LoadReport, what: str) -> jax.Array:
+    """The parameter ``want`` made on ``sharding`` from ``tensor`` (a lazy safetensors
+    slice in the file's layout, ``perm`` from it to the parameter's), each addressable
+    device given the slice it keeps; ``what`` names it for errors."""
+    shape = tuple(tensor.get_shape())
+    mapped = shape if perm is None else tuple(shape[i] for i in perm)
+    if mapped != tuple(want.shape):
+        how = "" if perm is None else f", {list(shape)} transposed by {perm}"
+        raise CheckpointError(
+            f"{what}{how}) is {list(mapped)} in the checkpoint and "
+            f"{list(want.shape)} in the model; build the model from the checkpoint's "
+            f"config.json"
+        )
+    read_slice = _slicer(tensor, perm, np.dtype(want.dtype))
+    pieces = []
+    for device, index in sharding.addressable_devices_indices_map(want.shape).items():
+        piece = read_slice(index)
+        report.bytes_per_device[device] = report.bytes_per_device.get(device, 0) + piece.nbytes
+        pieces.append(jax.device_put(piece, device))
+    return jax.make_array_from_single_device_arrays(want.shape, sharding, pieces)
 
 
 def _find(name, ndim, fmt, where, directory) -> tuple[str, tuple[int, ...] | None]:
