@@ -36,6 +36,8 @@ def _check(row: cost.Row) -> None:
         ("gpt-tiny", "zero(stage=3)"),
         ("gpt-tiny", "megatron(tp=4, dp=2, zero=3)"),
         pytest.param("hf-llama", "dp", marks=pytest.mark.slow),
+        # the loss's max over a vocabulary of 512 in two levels: no gathered logits
+        pytest.param("hf-llama", "megatron(tp=4, dp=2, zero=3)", marks=pytest.mark.slow),
         pytest.param("hf-bert", "megatron(tp=4, dp=2, zero=3)", marks=pytest.mark.slow),
         # FlaxConv1D's transposed kernels: a stage's residuals, one copy per micro-batch
         pytest.param("hf-gpt2", "megatron(pp=2)", marks=pytest.mark.slow),
