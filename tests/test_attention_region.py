@@ -5,6 +5,7 @@ and gradients agree to |a-b| <= 1e-5*|b| + 1e-6*max|b|. A region found in a grap
 checked by running its ops and comparing with dense_attention at its scale, mask and axes.
 """
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -18,6 +19,7 @@ import jscaler
 import models
 from jscaler.compile.attention import dense_attention, find_attention, ring_attention
 from jscaler.ir import evaluate
+from jscaler.ir.extrema import MIN_LENGTH
 
 F32_MIN = float(np.finfo(np.float32).min)
 
@@ -106,6 +108,24 @@ def test_find_attention_on_gpt_tiny(custom_jvp_softmax):
         assert first.primitive == second.primitive == "dot_general"
         assert second.outputs == (r.out,)
     assert_close(*region_output(graph, regions[0]), "region 0 vs dense")
+
+
+def test_find_attention_over_keys_whose_max_is_taken_in_two_levels():
+    """From ``extrema.MIN_LENGTH`` keys on the trace takes the softmax's max over block
+    maxima (jscaler.ir.extrema): the region holds the reshape and both maxima."""
+    from flax import nnx
+
+    from models import gpt
+
+    cfg = dataclasses.replace(gpt.tiny(), seq_len=MIN_LENGTH, n_layers=1)
+    batch = {"tokens": jnp.zeros((2, MIN_LENGTH), jnp.int32)}
+    batch["targets"] = batch["tokens"]
+    graph = jscaler.trace(gpt.loss, gpt.GPT(cfg, rngs=nnx.Rngs(0)), batch)
+    (region,) = find_attention(graph)
+    kinds = [graph.op(i).primitive for i in region.ops]
+    assert kinds.count("reduce_max") == 2 and "reshape" in kinds
+    assert region.causal and graph.tensors[region.q].shape == (2, MIN_LENGTH, 4, 16)
+    assert_close(*region_output(graph, region), "two-level region vs dense")
 
 
 def test_find_attention_on_a_model_without_attention():

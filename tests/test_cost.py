@@ -1,7 +1,9 @@
 """The cost model: cluster presets, collective times, and predicted memory against XLA."""
 
 import dataclasses
+import functools
 
+import jax.numpy as jnp
 import optax
 import pytest
 
@@ -138,3 +140,28 @@ def test_a_backend_without_reduce_scatter_writes_zero3_gradients_whole(gpt, stag
     peak = trainer.compiled(batch).memory_analysis()
     measured = peak.argument_size_in_bytes + peak.temp_size_in_bytes
     assert abs(without["total"] / measured - 1) < 0.05 < abs(native["total"] / measured - 1)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_weight_read_transposed_costs_what_it_costs_read_as_stored(stage):
+    """GPT-2's FlaxConv1D kernels and tied LM heads are read through a transpose, which
+    XLA folds into the matmul: under ZeRO-3 the view of the gathered weight is that
+    weight, dropped after the layer's forward like any other, not a kept activation."""
+    x = jnp.ones((16, 32))
+
+    def loss(params, batch, transposed):
+        h = batch["x"]
+        for w in params["w"]:
+            h = jnp.tanh(h @ (w.T if transposed else w))
+        return (h**2).mean()
+
+    def activations(transposed):
+        shape = (32, 32)
+        params = {"w": [jnp.eye(*shape) * (1 + k) for k in range(3)]}
+        trainer = jscaler.parallelize(
+            params, functools.partial(loss, transposed=transposed), optax.sgd(0.1),
+            {"x": x}, devices=8, plan=zero(stage=stage),
+        )  # fmt: skip
+        return estimate(trainer.plan, "cpu").memory["activations"]
+
+    assert activations(True) == activations(False)

@@ -14,6 +14,7 @@ import pytest
 import transformers as hf
 
 import jscaler
+from jscaler.compile.hlo import collectives, summarize
 from spaces import megatron, zero
 
 from parity import assert_matches_reference
@@ -60,9 +61,9 @@ def gpt2():
 
 
 @functools.cache
-def llama():
+def llama(vocab=VOCAB):
     cfg = hf.LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -176,6 +177,20 @@ def test_megatron_matches_one_device_and_splits_the_layers(name):
     ]
     for want in TP_SPLIT[name]:
         assert any(want in p for p in split), f"{want} not split over tp; split: {split}"
+
+
+@pytest.mark.slow
+def test_megatron_keeps_a_vocabulary_of_512_split_through_the_loss():
+    """At 512 the loss's max over the vocabulary is taken in two levels
+    (jscaler.ir.extrema): no all-gather of the logits over tp, and the same training."""
+    vocab = 512
+    params, loss, batch = llama(vocab)
+    plan = megatron(tp=4, dp=2, zero=3)
+    trainer = assert_matches_reference(params, loss, [batch(k) for k in range(STEPS)], plan)
+    logits = B // 2 * (S - 1) * vocab * 4  # f32 (b, s - 1, vocab) of one dp replica
+    colls = collectives(trainer.hlo(batch(0)), trainer.plan.mesh.axes)
+    big = [c for c in colls if c.kind == "all-gather" and "tp" in c.axes and c.bytes >= logits // 4]
+    assert not big, summarize(colls)
 
 
 @pytest.mark.parametrize(

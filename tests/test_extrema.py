@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from test_fused_projection import fused_gpt
 
@@ -68,3 +69,19 @@ def test_megatron_keeps_the_logits_split_and_matches_one_device(plan):
     table = trainer.comm_table()
     predicted = [r for r in table.rows if r.collective == "all-gather" and r.bytes >= logits // tp]
     assert not predicted, table
+
+
+def test_a_vocabulary_of_512_is_taken_in_two_levels():
+    """The small Hugging Face configs' vocabulary: one reduction over it made Megatron
+    all-gather the logits (docs/cost-model.md, Llama's Megatron rows)."""
+    vocab = 512
+
+    def loss(params, batch):
+        logits = batch["x"] @ params["w"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    params = {"w": jnp.ones((8, vocab)) / vocab}
+    batch = {"x": jnp.ones((4, 3, 8)), "y": jnp.zeros((4, 3), jnp.int32)}
+    graph = jscaler.trace(loss, params, batch)
+    shapes = {graph.tensors[o.inputs[0]].shape for o in _maxes(graph)}
+    assert shapes == {(4, 3, 64, vocab // 64), (4, 3, 64)}, shapes

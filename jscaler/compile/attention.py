@@ -294,13 +294,15 @@ class _Matcher:
         """The inlined ``exp(x - max) / sum`` of ``jax.nn.softmax``; ``inits`` hold -inf."""
         g, rank = self.g, len(self.g.tensors[x].shape)
         u = self.users(x)
-        if not u or sorted(o.primitive for o in u) != ["reduce_max", "sub"]:
+        if not u or sorted(o.primitive for o in u) not in (
+            ["reduce_max", "sub"],
+            ["reshape", "sub"],
+        ):
             return None
-        rmax, sub = sorted(u, key=lambda o: o.primitive)
-        axes = rmax.eqn.params["axes"]
-        if len(axes) != 1 or sub.inputs[0] != x:
+        first, sub = sorted(u, key=lambda o: o.primitive)
+        if sub.inputs[0] != x or (found := self._row_max(first)) is None:
             return None
-        axis, ops, t = axes[0], [rmax.id], rmax.outputs[0]
+        axis, ops, t = found
         if (o := self.sole(t, "max")) is not None:
             init = o.inputs[0] if o.inputs[1] == t else o.inputs[1]
             while not isinstance(init, Literal) and init not in inits:
@@ -335,6 +337,23 @@ class _Matcher:
             return None
         ops += [sub.id, ex.id, rsum.id, o.id, div.id]
         return div.outputs[0], sorted(ops), axis
+
+    def _row_max(self, first: Op) -> tuple[int, list[int], int] | None:
+        """(axis, op ids, the max) of a max over one axis that starts at ``first``: one
+        ``reduce_max``, or the two levels of :mod:`jscaler.ir.extrema` (a reshape into
+        blocks, the max over each block, the max over the blocks), which a long axis (at
+        least ``extrema.MIN_LENGTH`` keys) is traced into."""
+        if first.primitive == "reduce_max":
+            axes = first.eqn.params["axes"]
+            return (axes[0], [first.id], first.outputs[0]) if len(axes) == 1 else None
+        blocks = self.sole(first.outputs[0], "reduce_max")
+        outer = blocks and self.sole(blocks.outputs[0], "reduce_max")
+        if outer is None or len(outer.eqn.params["axes"]) != 1:
+            return None
+        (axis,) = outer.eqn.params["axes"]
+        if tuple(blocks.eqn.params["axes"]) != (axis + 1,):
+            return None
+        return axis, [first.id, blocks.id, outer.id], outer.outputs[0]
 
     def _row_broadcast(self, t: int, keep: tuple[int, ...]) -> Op | None:
         o = self.sole(t, "broadcast_in_dim")

@@ -484,6 +484,10 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster) -> dict:
         for t, lay in zip(op.outputs, low.ops[op.id].outputs):
             produced[t] = lay
     saved = saved_for_backward(g, recompute_groups(low.plan))
+    # a view of a gathered weight (GPT-2's transposed FlaxConv1D kernels, a tied LM head)
+    # is the gathered weight to XLA, which folds the view into the matmul: kept or dropped
+    # with it below
+    saved = {gathered_view(g, t) or t for t in saved}
     # ZeRO-3's gathered weights are dropped after each layer's forward (reshard after
     # forward): one layer's are alive at a time, not every layer's until the backward
     gathered = [
@@ -497,6 +501,21 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster) -> dict:
     )
     reduced = sum(reduced_bytes(low, t, cl) for t in low.grad)
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
+
+
+def gathered_view(g, t: int) -> int | None:
+    """The gathered parameter (an ``identity`` op's output: a ZeRO-3 gather) that ``t`` is
+    or shows through :data:`PARAM_VIEWS`, or None."""
+    for _ in range(4):
+        op = g.producer(t)
+        if op is None:
+            return None
+        if op.kind == "identity":
+            return t if g.param_behind(op.inputs[0], PARAM_VIEWS) is not None else None
+        if op.primitive not in PARAM_VIEWS or isinstance(op.inputs[0], Literal):
+            return None
+        t = op.inputs[0]
+    return None
 
 
 def reduced_bytes(low, t: int, cl: Cluster) -> float:
