@@ -28,7 +28,10 @@
   The gradient reduction after it holds every gradient as the backward made it (partial
   sums over data parallelism, in the layout the forward read the parameter in: ZeRO-3's
   gathered one), since XLA combines a step's reductions into one collective, and their
-  reduced copies. ``jscaler bench cost`` holds the total to XLA's ``memory_analysis()``.
+  reduced copies. On a backend without a grouped matmul (``Cluster.native_ragged_dot``
+  False: CPU) a ``ragged_dot`` is a dense dot over its piece's groups, whose expanded
+  lhs the backward keeps (:func:`ragged_expansions`). ``jscaler bench cost`` holds the
+  total to XLA's ``memory_analysis()``.
 * **MFU / HFU**: model FLOPs per step (forward + backward of the unsplit graph, 3x its
   forward FLOPs as in PaLM's appendix B) over step time x devices x peak; HFU counts the
   recomputed forward too.
