@@ -165,3 +165,31 @@ def test_a_weight_read_transposed_costs_what_it_costs_read_as_stored(stage):
         return estimate(trainer.plan, "cpu").memory["activations"]
 
     assert activations(True) == activations(False)
+
+
+def test_a_backend_without_a_grouped_matmul_keeps_each_ragged_dots_expanded_rows():
+    """JAX lowers ``ragged_dot`` on CPU as a dot over every local group: each distinct lhs
+    expanded (and its mask) is kept to the backward, ``groups`` times its rows' bytes
+    (measured: docs/cost-model.md). A backend with a grouped matmul keeps none of it."""
+    from jscaler.compile.lower import lower
+    from jscaler.cost.estimate import ragged_expansions
+    from spaces import expert
+
+    spec = models.get("moe-tiny-dropless")
+    batch = spec.batch(spec.batch_size, 0)
+    cpu = get_cluster("cpu")
+    assert not cpu.native_ragged_dot and get_cluster("h100_sxm").native_ragged_dot
+    kept = {}
+    for ep in (2, 4):
+        trainer = jscaler.parallelize(
+            spec.init(0), spec.loss, optax.sgd(0.1), batch, devices=8, plan=expert(ep=ep)
+        )
+        found = ragged_expansions(lower(trainer.plan, None))
+        # two distinct lhs per layer (the rows the gate and up projections share, and the
+        # down projection's input), two layers
+        assert len(found) == 4
+        kept[ep] = sum(e.kept for e in found)
+        dense = estimate(trainer.plan, cpu).memory
+        native = estimate(trainer.plan, dataclasses.replace(cpu, native_ragged_dot=True))
+        assert dense["activations"] >= native.memory["activations"] + kept[ep]
+    assert kept[2] == 2 * kept[4]  # 2 and 1 local experts of 4

@@ -46,6 +46,11 @@ class Cluster:
       reduce_scatter: whether the backend runs a reduce-scatter as one collective that
         writes only each device's slice. XLA's CPU backend has none: it all-reduces the
         whole gradient and slices it, so a ZeRO reduction's output is as big as its input.
+      native_ragged_dot: whether the backend runs ``ragged_dot`` as a grouped matmul.
+        JAX lowers it on other backends (CPU) as a dense dot over the groups: each row
+        copied once per group it is masked for, a buffer ``groups`` times the rows' size
+        (see :func:`jscaler.cost.estimate.ragged_expansions`). JAX emits the native
+        ``ragged_dot`` instruction for GPU and TPU only.
     """
 
     name: str
@@ -58,6 +63,7 @@ class Cluster:
     efficiency: float = 0.7
     combine_bytes: float = 30 * 2**20
     reduce_scatter: bool = True
+    native_ragged_dot: bool = True
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.flops:
@@ -121,6 +127,7 @@ CLUSTERS = {
         Link(1 * GB, 100e-6),
         efficiency=0.5,
         reduce_scatter=False,
+        native_ragged_dot=False,
     ),
 }
 
