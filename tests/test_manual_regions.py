@@ -163,6 +163,9 @@ AGREE = {
     "mlp-tiny coshard(tp=4, colocate=2, dp=2)": ("mlp-tiny", coshard(tp=4, colocate=2, dp=2)),
     "mlp-tiny zero(3) + manual(every op)": MARKED["mlp-tiny zero(3) + manual(every op)"],
     "gpt-tiny dp + manual(first layer)": ("gpt-tiny", marked(dp(), first_layer, "first layer")),
+    # the LM head's weight gradient, partial over dp and tp outside the regions: the HLO
+    # reader counts XLA:CPU's all-reduce per axis as the one over both a GPU runs (hlo.py)
+    "gpt-tiny coshard(tp=2, colocate=2)": ("gpt-tiny", coshard(tp=2, colocate=2)),
 }
 
 
@@ -170,16 +173,6 @@ AGREE = {
 def test_region_collectives_match_the_compiled_hlo(case):
     pred, got, _ = predicted_and_compiled(*AGREE[case])
     assert pred
-    assert_close(pred, got)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="outside the regions, the LM head's weight gradient is partial over dp and tp; "
-    "XLA reduces it with one full all-reduce per axis (as for megatron in test_comm)",
-)
-def test_coshard_gpt_collectives_up_to_the_lm_head_divergence():
-    pred, got, _ = predicted_and_compiled("gpt-tiny", coshard(tp=2, colocate=2))
     assert_close(pred, got)
 
 
