@@ -53,7 +53,9 @@ class GPTConfig:
         rope_base: Base of the RoPE frequencies.
         norm_eps: Epsilon of RMSNorm.
         dropout: Residual dropout rate; 0 (the default) builds no dropout layers at all.
-        dtype: Computation dtype of the linear layers.
+        dtype: Computation dtype of the linear layers and the embedding; None (the
+            default): their parameters', so a ``precision="bf16"`` plan, which traces the
+            step with bf16 parameters, computes them in bf16.
         param_dtype: Storage dtype of the parameters.
     """
 
@@ -66,7 +68,7 @@ class GPTConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
-    dtype: Any = jnp.float32
+    dtype: Any = None
     param_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:
@@ -236,6 +238,9 @@ class GPT(nnx.Module):
         self.embed = nnx.Embed(
             cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs
         )
+        # nnx.Embed fixes a None dtype to its parameter's at construction (float32); None
+        # lets it follow the parameter as traced (bf16 under a bf16 plan), as nnx.Linear does
+        self.embed.dtype = cfg.dtype
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm_f = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.lm_head = _linear(cfg, cfg.d_model, cfg.vocab_size, rngs)

@@ -94,7 +94,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
-    dtype: Any = jnp.float32
+    dtype: Any = None  # None: the parameters' (bf16 under a bf16 plan), as in models.gpt
     param_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:
@@ -310,6 +310,7 @@ class MoEDecoder(nnx.Module):
         self.embed = nnx.Embed(
             cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs
         )
+        self.embed.dtype = cfg.dtype  # see models.gpt.GPT: nnx.Embed fixes None at construction
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm_f = gpt.RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.lm_head = _linear(cfg, cfg.d_model, cfg.vocab_size, rngs)

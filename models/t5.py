@@ -398,6 +398,9 @@ class T5(nnx.Module):
         self.embed = nnx.Embed(
             cfg.vocab_size, cfg.d_model, embedding_init=nnx.initializers.normal(1.0), rngs=rngs
         )
+        # nnx.Embed fixes its dtype to the parameter's at construction (float32); None lets
+        # it follow the parameter as traced (bf16 under a bf16 plan), as nnx.Linear does
+        self.embed.dtype = None
         self.encoder = Encoder(cfg, rngs=rngs)
         self.decoder = Decoder(cfg, rngs=rngs)
 

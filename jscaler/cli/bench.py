@@ -19,7 +19,8 @@ def register(sub) -> None:
         "'cost' holds the cost model's memory and collective predictions to XLA's; "
         "'order' times the op-order search with and without order rules; 'calibrate' "
         "holds the simulated Megatron-LM baseline to published throughput; 'paper' "
-        "reproduces nnScaler's end-to-end table (SIMULATED)",
+        "reproduces nnScaler's end-to-end table (SIMULATED); 'gpu' holds the cost model's "
+        "step time and memory to one local accelerator",
         description="Run a benchmark and print its table. 'spmd': for one model on N "
         "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
         "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
@@ -64,6 +65,7 @@ def register(sub) -> None:
             "calibrate",
             "paper",
             "moe",
+            "gpu",
         ],
         help="the benchmark",
     )
@@ -99,6 +101,11 @@ def register(sub) -> None:
         help="a plan expression to bench (repeatable; default: a standard set)",
     )
     be.add_argument("--json", action="store_true", help="print the rows as JSON")
+    be.add_argument(
+        "--cluster",
+        default=None,
+        help="gpu: the cluster preset to predict on (default: the local device's)",
+    )
     add_devices(be)
     be.set_defaults(run=_bench)
 
@@ -112,7 +119,7 @@ def _bench(args) -> int:
         return _bench_coshard(args)
     if args.which == "cost":
         return _bench_cost(args)
-    if args.which in ("calibrate", "order", "paper", "plain", "moe"):
+    if args.which in ("calibrate", "order", "paper", "plain", "moe", "gpu"):
         import importlib
 
         return importlib.import_module(f"bench.{args.which}").main(args)

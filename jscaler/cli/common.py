@@ -181,7 +181,7 @@ def add_cluster(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cluster",
         default=None,
-        help="the machine the plan is for (dgx2_v100, dgx1_v100, a100_80g, h100_sxm, cpu): "
+        help="the machine the plan is for (dgx2_v100, dgx1_v100, a100_80g, h100_sxm, h200, cpu): "
         "the predicted memory per device is checked against its memory before anything "
         "runs, and MFU is reported against its peak (default: no memory check on CPU; MFU "
         "against the cpu preset)",

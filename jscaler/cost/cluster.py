@@ -51,6 +51,11 @@ class Cluster:
         copied once per group it is masked for, a buffer ``groups`` times the rows' size
         (see :func:`jscaler.cost.estimate.ragged_expansions`). JAX emits the native
         ``ragged_dot`` instruction for GPU and TPU only.
+      fp32_matmul: the peak (a key of ``flops``) float32 matrix products run at under
+        JAX's default matmul precision: ``"tf32"`` on NVIDIA GPUs from Ampere on, where
+        XLA computes them in TF32 (an 8192-cubed float32 product ran at 409 TFLOP/s on
+        an H200, 6.1x its fp32 peak: ``jscaler bench gpu``), unless
+        ``jax_default_matmul_precision`` asks for more.
     """
 
     name: str
@@ -64,8 +69,12 @@ class Cluster:
     combine_bytes: float = 30 * 2**20
     reduce_scatter: bool = True
     native_ragged_dot: bool = True
+    fp32_matmul: str = "fp32"
 
     def peak(self, dtype: str) -> float:
+        """Peak FLOP/s computing in ``dtype`` (fp32: at :attr:`fp32_matmul`)."""
+        if dtype == "fp32":
+            dtype = self.fp32_matmul
         if dtype not in self.flops:
             raise PlanError(
                 f"cluster {self.name!r} has no peak FLOP/s for {dtype!r}; it knows "
@@ -106,6 +115,7 @@ CLUSTERS = {
         80 * 2**30,
         Link(300 * GB, 5e-6),
         Link(8 * 25 * GB / 8, 10e-6),  # 8 x 200 Gb/s HDR per node
+        fp32_matmul="tf32",
     ),
     "h100_sxm": Cluster(
         "h100_sxm",
@@ -115,6 +125,18 @@ CLUSTERS = {
         80 * 2**30,
         Link(450 * GB, 4e-6),
         Link(8 * 50 * GB / 8, 8e-6),  # 8 x 400 Gb/s NDR per node
+        fp32_matmul="tf32",
+    ),
+    # H200 SXM: H100's compute with 141 GB of HBM3e at 4.8 TB/s
+    "h200": Cluster(
+        "h200",
+        8,
+        {"fp32": 67 * TB, "tf32": 495 * TB, "bf16": 989 * TB, "fp16": 989 * TB},
+        4800 * GB,
+        141 * GB,
+        Link(450 * GB, 4e-6),
+        Link(8 * 50 * GB / 8, 8e-6),
+        fp32_matmul="tf32",
     ),
     # this machine: simulated CPU devices sharing 2 cores and 24 GiB, memcpy "links"
     "cpu": Cluster(

@@ -66,6 +66,7 @@ __all__ = [
     "check_expert_skew",
     "estimate",
     "needs_grad",
+    "op_compute_dtypes",
     "roofline_seconds",
     "ragged_expansions",
     "saved_for_backward",
@@ -138,11 +139,65 @@ class Estimate:
 HALF = ("fp16", "bf16")
 
 
-def value_scale(dtype: str) -> float:
-    """What a traced fp32 activation (or collective, or kernel operand) weighs when the
-    step computes in ``dtype``: half for fp16/bf16 mixed precision (parameters, their
-    gradients and optimizer state stay fp32 masters)."""
-    return 0.5 if dtype in HALF else 1.0
+HALF_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def traced_in_half(g) -> bool:
+    """Whether ``g`` was traced with half-precision parameters: a trainer computing in
+    bf16 traces the loss so (:mod:`jscaler.runtime.precision`), its sizes already half
+    (once per graph)."""
+    found = g.__dict__.get("_traced_in_half")
+    if found is None:
+        found = any(str(g.tensors[p.id].dtype) in HALF_DTYPES for p in g.params())
+        object.__setattr__(g, "_traced_in_half", found)
+    return found
+
+
+def value_scale(dtype: str, g=None) -> float:
+    """What a traced activation (or collective, or kernel operand) weighs when the step
+    computes in ``dtype``: half of a traced fp32 value for fp16/bf16 mixed precision
+    (parameters, their gradients and optimizer state stay fp32 masters); a graph ``g``
+    traced in half precision already has the step's sizes."""
+    if dtype not in HALF or (g is not None and traced_in_half(g)):
+        return 1.0
+    return 0.5
+
+
+def state_scale(dtype: str, g) -> float:
+    """What a traced parameter (its gradient, its optimizer state) weighs: the fp32
+    masters of a graph traced in half precision are twice its traced size."""
+    return 2.0 if dtype in HALF and traced_in_half(g) else 1.0
+
+
+def compute_roofs(g, cl: Cluster, dtype: str) -> dict[int, float]:
+    """op id -> the FLOP/s its kernels reach: every op at ``dtype``'s peak for a graph
+    traced in fp32 and run in half precision (the what-if of ``estimate(dtype="bf16")``),
+    else each op at its own operands' dtype's (a model that computes its matmuls in bf16
+    gets the bf16 peak, its fp32 ones the fp32 one: TF32 on presets where JAX's default
+    precision runs them so, see :attr:`Cluster.fp32_matmul`)."""
+    if dtype in HALF and not traced_in_half(g):
+        roof = cl.peak(dtype) * cl.efficiency
+        return dict.fromkeys((op.id for op in g.ops), roof)
+    roofs = {k: cl.peak(k if k in cl.flops else "fp32") * cl.efficiency for k in ("fp32", *HALF)}
+    return {op: roofs[kind] for op, kind in op_compute_dtypes(g).items()}
+
+
+def op_compute_dtypes(g) -> dict[int, str]:
+    """op id -> the dtype name its operands compute in, its first floating input's (once
+    per graph)."""
+    found = g.__dict__.get("_op_compute")
+    if found is None:
+        found = {}
+        for op in g.ops:
+            kind = "fp32"
+            for t in op.tensor_inputs:
+                name = str(g.tensors[t].dtype)
+                if name in HALF_DTYPES or name.startswith("float"):
+                    kind = HALF_DTYPES.get(name, "fp32")
+                    break
+            found[op.id] = kind
+        object.__setattr__(g, "_op_compute", found)
+    return found
 
 
 def local_bytes(g, t: int, layout: Layout | None, sizes) -> float:
@@ -266,6 +321,7 @@ def estimate(
     peak = cl.peak(dtype)
     pg = plan.pgraph
     g = pg.graph
+    act, state = value_scale(dtype, g), state_scale(dtype, g)
     mesh = plan.mesh
     sizes = mesh.shape
     low = lower(plan, None)
@@ -294,8 +350,10 @@ def estimate(
     for r in table.rows:
         fixed = {a: 0 for a in mesh.names if a not in r.axes}
         group = mesh.group(**fixed)
-        nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
         grad = r.phase == "backward" and r.tensor in params
+        nbytes = r.bytes * (state if r.phase == "update" else act)
+        if grad and state > 1:  # fp32 gradients of the masters, through the cast
+            nbytes = r.bytes * state
         if grad or r.phase == "update":
             # gradients accumulate over micro-batches and reduce once, behind the
             # backward; the optimizer side (a ZeRO all-gather of the new parameters) runs
@@ -309,7 +367,7 @@ def estimate(
     exposed_total = exposed + max(0.0, hidden - bwd_time)
     step = compute + exposed_total
 
-    memory = _memory(low, g, sizes, optimizer_slots, value_scale(dtype), cl)
+    memory = _memory(low, g, sizes, optimizer_slots, act, cl, state)
     return Estimate(
         plan.name or "plan",
         cl.name,
@@ -343,12 +401,12 @@ def device_times(
     recomputation counted in the backward; optimizer-side ops (gradient, update) under
     their own ids, in the backward. ``expert_skew`` scales a ragged_dot's pieces split
     along its groups (see the module doc)."""
-    roof = cl.peak(dtype) * cl.efficiency
     pg = plan.pgraph
     g = pg.graph
+    roofs = compute_roofs(g, cl, dtype)
     default = plan.mesh.devices[0]
     out = {}
-    scale = value_scale(dtype)
+    scale = value_scale(dtype, g)
     moved = _op_bytes(g)
     shares: dict = {}  # tree -> ((device, share), ...): repeated layers share trees
     for op in g.ops:
@@ -367,7 +425,7 @@ def device_times(
             )
         f, b = {}, {}
         for dev, share in per:
-            t = _piece_seconds(op, share, nbytes, roof, cl.memory_bandwidth)
+            t = _piece_seconds(op, share, nbytes, roofs[op.id], cl.memory_bandwidth)
             f[dev] = f.get(dev, 0.0) + t
             b[dev] = b.get(dev, 0.0) + t * backward
         out[op.id] = (f, b)
@@ -390,13 +448,13 @@ def roofline_seconds(g, cluster: str | Cluster, dtype: str, recomputed=frozenset
     replicated op add up to at least one), the ops in ``recomputed`` run forward again.
     Divided by the devices, a lower bound on any plan's compute per micro-batch."""
     cl = get_cluster(cluster)
-    roof = cl.peak(dtype) * cl.efficiency
-    scale = value_scale(dtype)
+    roofs = compute_roofs(g, cl, dtype)
+    scale = value_scale(dtype, g)
     moved = _op_bytes(g)
     needs = needs_grad(g)
     total = 0.0
     for op in g.ops:
-        t = _piece_seconds(op, 1.0, scale * moved[op.id], roof, cl.memory_bandwidth)
+        t = _piece_seconds(op, 1.0, scale * moved[op.id], roofs[op.id], cl.memory_bandwidth)
         total += t * (1.0 + _backward_multiple(op, needs, recomputed))
     return total
 
@@ -486,13 +544,13 @@ def needs_grad(g) -> set[int]:
     return down & up
 
 
-def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster) -> dict:
+def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float = 1.0) -> dict:
     def size(t, layout):
         return local_bytes(g, t, layout, sizes)
 
-    params = sum(size(t, low.storage[t]) for t in low.update)
-    grads = sum(size(t, unreduced_grad(low, t)) for t in low.grad)
-    opt = slots * sum(size(t, low.update[t]) for t in low.update)
+    params = state * sum(size(t, low.storage[t]) for t in low.update)
+    grads = state * sum(size(t, unreduced_grad(low, t)) for t in low.grad)
+    opt = state * slots * sum(size(t, low.update[t]) for t in low.update)
     batch = sum(size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch")
     produced = {}
     for op in g.ops:
@@ -515,7 +573,7 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster) -> dict:
     acts = scale * (sum(kept.values()) + work)
     if not cl.native_ragged_dot:
         acts = scale * _dense_ragged_peak(low, g, kept, work)
-    reduced = sum(reduced_bytes(low, t, cl) for t in low.grad)
+    reduced = state * sum(reduced_bytes(low, t, cl) for t in low.grad)
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
 
 

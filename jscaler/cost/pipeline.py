@@ -42,6 +42,7 @@ from jscaler.cost.estimate import (
     recomputed_ops,
     reduced_bytes,
     saved_for_backward,
+    state_scale,
     unreduced_grad,
     value_scale,
     working_set,
@@ -82,6 +83,7 @@ def estimate_pipeline(
     cl = get_cluster(cluster)
     sched = _schedule(plan, schedule, microbatches)
     g = plan.graph
+    act, masters = value_scale(dtype, g), state_scale(dtype, g)
     pass_of = pass_of_ops(g, sched.passes)
     stage_of = stage_of_ops(g, sched.stages, plan.cuts, pass_of)
     last = sched.passes - 1
@@ -159,8 +161,8 @@ def estimate_pipeline(
                 continue
             fixed = {a: 0 for a in mesh.names if a not in r.axes}
             devs = [group.devices[mesh.devices.index(d)] for d in mesh.group(**fixed)]
-            nbytes = r.bytes * (value_scale(dtype) if r.phase != "update" else 1.0)
             grad = r.phase == "backward" and r.tensor in from_params
+            nbytes = r.bytes * (masters if r.phase == "update" or grad else act)
             # each micro-batch's backward program reduces its parameter gradients (the
             # stages run one program per micro-batch); the update side runs once
             moved[gi] += r.bytes * r.times * (1 if r.phase == "update" else microbatches)
@@ -174,7 +176,7 @@ def estimate_pipeline(
                 fwd_cost[s, k] = fwd_cost.get((s, k), 0.0) + t
         update[gi] += combined.seconds().get(None, 0.0)
         memory[gi] = _group_memory(
-            value_scale(dtype), gp, low, g, stages, stage_of, pass_of, last, sched, cl
+            act, gp, low, g, stages, stage_of, pass_of, last, sched, cl, masters
         )
 
     # point-to-point: a value crossing groups is received before the consumer's forward
@@ -194,7 +196,7 @@ def estimate_pipeline(
             devs = [*plan.groups[ga].devices[:1], *plan.groups[gb].devices[:1]]
             tensor = g.tensors[x]
             nbytes = math.prod(tensor.shape) * jnp.dtype(tensor.dtype).itemsize
-            nbytes *= value_scale(dtype) / len(plan.groups[gb].devices)
+            nbytes *= act / len(plan.groups[gb].devices)
             t = collective_time("send", nbytes, devs, cl)
             fwd_cost[dst] = fwd_cost.get(dst, 0.0) + t
             if x in needs and src[1] == last:
@@ -221,7 +223,7 @@ def estimate_pipeline(
                 acc[key] += v
     # the update's state, once per device: master parameters and optimizer moments split
     # over every pipeline device (ZeRO-1 across the pipeline, jscaler.runtime.handoff)
-    state = (1 + optimizer_slots) * _update_share(g, len(plan.devices))
+    state = masters * (1 + optimizer_slots) * _update_share(g, len(plan.devices))
     for acc in per_device.values():
         acc["optimizer"] += state
         acc["total"] += state
@@ -268,7 +270,9 @@ def _update_share(g, n: int) -> float:
     return total
 
 
-def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, cl) -> dict:
+def _group_memory(
+    scale, gp, low, g, stages, stage_of, pass_of, last, sched, cl, state: float = 1.0
+) -> dict:
     """A group's stages' memory per device: their parameter copies and gradients (see
     below), batch and kept activations (the update's master copy and optimizer state are
     not the group's: :func:`_update_share`)."""
@@ -303,4 +307,4 @@ def _group_memory(scale, gp, low, g, stages, stage_of, pass_of, last, sched, cl)
         ]
         acts += scale * flight[s] * sum(size(t, lay) for t, lay in outs)
     acts += scale * working_set(low, {o.id for o in mine})
-    return memory_breakdown(p_bytes, grads, opt, batch, acts)
+    return memory_breakdown(state * p_bytes, state * grads, opt, batch, acts)

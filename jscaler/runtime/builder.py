@@ -36,7 +36,11 @@ from jscaler.plan.validate import validate
 from jscaler.runtime.batch import batch_key, batch_shapes
 from jscaler.runtime.distributed import check_plan_agreement
 from jscaler.runtime.pipeline import PipelineProgram
-from jscaler.runtime.precision import compute_dtype, with_compute_dtype
+from jscaler.runtime.precision import (
+    compute_dtype,
+    warn_if_not_computing_in,
+    with_compute_dtype,
+)
 from jscaler.runtime.preflight import check_memory, device_capacity, optimizer_slots
 from jscaler.runtime.program import Program
 from jscaler.runtime.spmd import SpmdProgram
@@ -196,6 +200,7 @@ class Planner:
 
     def _build(self, batch) -> Program:
         graph, shapes = self._trace(batch)
+        warn_if_not_computing_in(graph, self.precision)
         if not self.master:  # the parameters as the trainer stores them
             sig = graph.signature
             params = sig.split(self.model)[0]

@@ -9,13 +9,22 @@ differentiated function, so gradients arrive in fp32 through the cast's transpos
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jscaler.cost.estimate import CONTRACTIONS, op_compute_dtypes
 from jscaler.errors import PlanError
 
-__all__ = ["COMPUTE_DTYPES", "compute_dtype", "map_floats", "with_compute_dtype"]
+__all__ = [
+    "COMPUTE_DTYPES",
+    "compute_dtype",
+    "map_floats",
+    "warn_if_not_computing_in",
+    "with_compute_dtype",
+]
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": jnp.bfloat16}
 
@@ -52,3 +61,22 @@ def with_compute_dtype(model_or_params, batch, dtype, *, has_aux: bool = False):
         return model_or_params, batch
     cast = lambda x: jax.ShapeDtypeStruct(x.shape, dtype)  # noqa: E731
     return map_floats(model_or_params, batch, cast, has_aux=has_aux)
+
+
+def warn_if_not_computing_in(graph, precision: str) -> None:
+    """Warns when a step traced for ``precision="bf16"`` has no matrix product in bf16:
+    the model's layers cast their inputs back (``nnx.Linear(dtype=jnp.float32)``, a
+    config's ``dtype``), so the step computes in fp32 at fp32's speed and memory."""
+    if compute_dtype(precision) is None:
+        return
+    kinds = op_compute_dtypes(graph)
+    dots = [op for op in graph.ops if op.primitive in CONTRACTIONS]
+    if dots and all(kinds[op.id] == "fp32" for op in dots):
+        warnings.warn(
+            f"precision={precision!r}, but all {len(dots)} matrix products of the traced "
+            f"step compute in float32 (the first: {dots[0].where}): the model's layers "
+            f"cast their inputs to float32 (a layer built with dtype=jnp.float32, say). The "
+            f"step runs at fp32's speed and memory; build the layers with dtype=None or "
+            f"jnp.bfloat16 to compute in bf16.",
+            stacklevel=4,
+        )

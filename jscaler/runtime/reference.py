@@ -35,12 +35,14 @@ ATOL = {"loss": 0.0, "grad": 1e-5, "param": 1e-6}  # times max|b| of the leaf
 ZERO_FLOOR = 1e-3  # a leaf's max|b| counts as at least this times the tree's
 
 # bf16 keeps 8 significant bits (eps 2^-7): a plan regroups partial sums that each get
-# rounded to bf16, so after 3 SGD steps gpt-tiny and mlp-tiny differ from the bf16
-# reference by up to ~2^-5 max|b| per leaf (a model computing its norms in bf16, like the
-# conv net, drifts further). A wrong scale or a missing reduction is still far outside.
+# rounded to bf16, so after 3 SGD steps the plans differ from the bf16 reference by up
+# to 2^-3.8 max|b| per gradient leaf on gpt-tiny, whose matmuls and attention
+# probabilities are bf16 (2^-5.4 on mlp-tiny; both nearer the fp32 reference, 2^-4.5, than
+# the bf16 one is), and 2^-5.4 per parameter. A wrong scale (2x) or a missing reduction
+# is still far outside.
 TOLERANCES = {
     "fp32": (RTOL, ATOL),
-    "bf16": (2**-6, {"loss": 0.0, "grad": 2**-5, "param": 2**-5}),
+    "bf16": (2**-6, {"loss": 0.0, "grad": 2**-3, "param": 2**-5}),
 }
 
 

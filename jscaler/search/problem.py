@@ -41,6 +41,7 @@ from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
 from jscaler.cost.estimate import (
     CONTRACTIONS,
+    compute_roofs,
     local_bytes,
     needs_grad,
     saved_for_backward,
@@ -179,7 +180,7 @@ def build_problem(
     :func:`no_fit` error before pricing the edges (most of the building) when even every
     cluster's leanest strategy exceeds ``capacity``, as the solver would find."""
     cl = get_cluster(cluster)
-    roof = cl.peak(dtype) * cl.efficiency
+    roofs = compute_roofs(graph, cl, dtype)
     sizes = mesh.shape
     names = mesh.names
     ops = {o.id: o for o in graph.ops}
@@ -191,7 +192,7 @@ def build_problem(
     }
     recomputed = set(groups)
     saved = saved_for_backward(graph, groups)
-    scale = value_scale(dtype)  # activations in the compute dtype
+    scale = value_scale(dtype, graph)  # activations in the compute dtype
     first_reader: dict[int, int] = {}
     for op in graph.ops:
         for t in op.tensor_inputs:
@@ -228,7 +229,7 @@ def build_problem(
         diff = op.primitive not in NON_DIFFERENTIABLE and any(t in needs for t in op.outputs)
         back = (2.0 if op.primitive in CONTRACTIONS else 1.0) * diff
         moved = sum(nbytes(t) for t in (*op.tensor_inputs, *op.outputs))
-        once = max(op.flops * share / roof, moved * share / cl.memory_bandwidth)
+        once = max(op.flops * share / roofs[op.id], moved * share / cl.memory_bandwidth)
         again = 1.0 if op.id in recomputed and diff else 0.0
         t, grads, mem = (1 + back + again) * once, 0.0, 0.0
         if ann is None:

@@ -49,7 +49,7 @@ def layer_costs(plan: Plan, cluster: str | Cluster = "cpu", dtype: str = "fp32")
     for r in comm_table(lower(plan, None), 1).rows:
         if r.tensor in producer and r.phase != "update":
             fixed = {a: 0 for a in mesh.names if a not in r.axes}
-            nbytes = r.bytes * value_scale(dtype)
+            nbytes = r.bytes * value_scale(dtype, g)
             t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl) * r.times
             op_cost[producer[r.tensor]] = op_cost.get(producer[r.tensor], 0.0) + t
     layer_of = {o.id: i for i, lay in enumerate(layers) for o in lay.graph.ops}
