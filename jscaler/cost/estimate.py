@@ -57,6 +57,7 @@ from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import Combined, collective_time
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Literal
+from jscaler.ir.rules_elementwise import BINARY, TERNARY, UNARY
 from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
 
@@ -407,7 +408,7 @@ def device_times(
     default = plan.mesh.devices[0]
     out = {}
     scale = value_scale(dtype, g)
-    moved = _op_bytes(g)
+    moved = fused_op_bytes(g) if cl.fuses_elementwise else _op_bytes(g)
     shares: dict = {}  # tree -> ((device, share), ...): repeated layers share trees
     for op in g.ops:
         backward = _backward_multiple(op, needs, recomputed)
@@ -450,7 +451,7 @@ def roofline_seconds(g, cluster: str | Cluster, dtype: str, recomputed=frozenset
     cl = get_cluster(cluster)
     roofs = compute_roofs(g, cl, dtype)
     scale = value_scale(dtype, g)
-    moved = _op_bytes(g)
+    moved = fused_op_bytes(g) if cl.fuses_elementwise else _op_bytes(g)
     needs = needs_grad(g)
     total = 0.0
     for op in g.ops:
@@ -480,6 +481,79 @@ def _op_bytes(g) -> dict[int, int]:
         found = {o.id: sum(size[t] for t in (*o.tensor_inputs, *o.outputs)) for o in g.ops}
         object.__setattr__(g, "_op_bytes", found)
     return found
+
+
+# what a fusing backend (XLA's GPU one) fuses into one kernel: elementwise ops, their
+# broadcasts and reshapes, with a reduction as the fusion's root (an input fusion)
+FUSIBLE = {
+    *UNARY, *BINARY, *TERNARY, "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+    "iota", "transpose",
+}  # fmt: skip
+FUSION_ROOTS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+
+
+def materialised(g) -> frozenset[int]:
+    """Tensors a fusing backend writes to memory (once per graph): every output of an op
+    it does not fuse, and a fusible op's outputs read by an op that is neither fusible nor
+    a reduction (a matmul, a gather), or by none (the graph's outputs). An elementwise
+    chain's other intermediates stay in registers inside one kernel."""
+    found = g.__dict__.get("_materialised")
+    if found is None:
+        fused_readers = FUSIBLE | FUSION_ROOTS
+        outputs = {t for t in g.outputs if not isinstance(t, Literal)}
+        found = set()
+        for op in g.ops:
+            for t in op.outputs:
+                readers = g.consumers(t)
+                if (
+                    op.primitive not in FUSIBLE
+                    or t in outputs
+                    or not readers
+                    or any(r.primitive not in fused_readers for r in readers)
+                ):
+                    found.add(t)
+        found = frozenset(found)
+        object.__setattr__(g, "_materialised", found)
+    return found
+
+
+def fused_op_bytes(g) -> dict[int, int]:
+    """op id -> bytes it moves on a fusing backend: its inputs and outputs that are
+    :func:`materialised` (once per graph)."""
+    found = g.__dict__.get("_fused_op_bytes")
+    if found is None:
+        done = materialised(g)
+        size = {t: local_bytes(g, t, None, None) for t in g.tensors}
+        found = {
+            o.id: sum(
+                size[t]
+                for t in (*o.tensor_inputs, *o.outputs)
+                if t in done or g.producer(t) is None
+            )
+            for o in g.ops
+        }
+        object.__setattr__(g, "_fused_op_bytes", found)
+    return found
+
+
+def fused_kept(g, saved: set[int]) -> set[int]:
+    """What a fusing backend keeps for the backward of ``saved``: a materialised value as
+    it is; an intermediate of an elementwise chain is recomputed by the backward's fusion
+    from the chain's materialised inputs, which are kept instead."""
+    done = materialised(g)
+    kept, seen = set(), set()
+    stack = list(saved)
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        op = g.producer(t)
+        if t in done or op is None:
+            kept.add(t)
+        else:
+            stack.extend(op.tensor_inputs)
+    return kept
 
 
 def _share(tree, path) -> float:
@@ -568,6 +642,8 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float =
         for unit in reshard_units(low, list(g.ops)).values()
     ]
     saved -= {t for ts in gathered for t in ts}
+    if cl.fuses_elementwise:
+        saved = fused_kept(g, saved) - {t for ts in gathered for t in ts}
     kept = {t: size(t, produced[t]) for t in saved if t in produced}
     work = max(working_set(low), *(sum(size(t, produced[t]) for t in ts) for ts in gathered), 0.0)
     acts = scale * (sum(kept.values()) + work)
