@@ -294,6 +294,8 @@ def _group_memory(
     batch = sum(
         size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch" and t in read
     )
+    # the residuals a stage's forward program returns are what JAX's vjp saves, not what
+    # XLA would keep in one fused step: Cluster.fuses_elementwise does not apply to them
     saved = saved_for_backward(g, recompute_groups(gp), views=True)
     flight = sched.in_flight()
     acts = 0.0

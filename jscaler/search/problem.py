@@ -42,7 +42,9 @@ from jscaler.cost.collective import collective_time
 from jscaler.cost.estimate import (
     CONTRACTIONS,
     compute_roofs,
+    fused_kept,
     local_bytes,
+    materialised,
     needs_grad,
     saved_for_backward,
     value_scale,
@@ -192,6 +194,10 @@ def build_problem(
     }
     recomputed = set(groups)
     saved = saved_for_backward(graph, groups)
+    moves = None  # every tensor an op reads or writes moves through memory
+    if cl.fuses_elementwise:  # as the estimate: only materialised ones, and kept
+        saved = fused_kept(graph, saved)
+        moves = materialised(graph) | {t for t in graph.tensors if graph.producer(t) is None}
     scale = value_scale(dtype, graph)  # activations in the compute dtype
     first_reader: dict[int, int] = {}
     for op in graph.ops:
@@ -228,7 +234,9 @@ def build_problem(
         share = 1.0 / math.prod(sizes[a] for a, d in zip(names, s) if d is not None)
         diff = op.primitive not in NON_DIFFERENTIABLE and any(t in needs for t in op.outputs)
         back = (2.0 if op.primitive in CONTRACTIONS else 1.0) * diff
-        moved = sum(nbytes(t) for t in (*op.tensor_inputs, *op.outputs))
+        moved = sum(
+            nbytes(t) for t in (*op.tensor_inputs, *op.outputs) if moves is None or t in moves
+        )
         once = max(op.flops * share / roofs[op.id], moved * share / cl.memory_bandwidth)
         again = 1.0 if op.id in recomputed and diff else 0.0
         t, grads, mem = (1 + back + again) * once, 0.0, 0.0
