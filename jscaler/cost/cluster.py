@@ -10,7 +10,7 @@ its devices. Figures are vendors' peak numbers (dense, no sparsity); write your 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from jscaler.errors import PlanError
 
@@ -135,18 +135,6 @@ CLUSTERS = {
         fp32_matmul="tf32",
         fuses_elementwise=True,
     ),
-    # H200 SXM: H100's compute with 141 GB of HBM3e at 4.8 TB/s
-    "h200": Cluster(
-        "h200",
-        8,
-        {"fp32": 67 * TB, "tf32": 495 * TB, "bf16": 989 * TB, "fp16": 989 * TB},
-        4800 * GB,
-        141 * GB,
-        Link(450 * GB, 4e-6),
-        Link(8 * 50 * GB / 8, 8e-6),
-        fp32_matmul="tf32",
-        fuses_elementwise=True,
-    ),
     # this machine: simulated CPU devices sharing 2 cores and 24 GiB, memcpy "links"
     "cpu": Cluster(
         "cpu",
@@ -161,6 +149,12 @@ CLUSTERS = {
         native_ragged_dot=False,
     ),
 }
+
+
+# H200 SXM: the H100's compute and links with 141 GB of HBM3e at 4.8 TB/s
+CLUSTERS["h200"] = replace(
+    CLUSTERS["h100_sxm"], name="h200", memory_bandwidth=4800 * GB, memory=141 * GB
+)
 
 
 def get_cluster(cluster: str | Cluster) -> Cluster:
