@@ -323,20 +323,9 @@ def restore(
     directory = Path(directory).absolute()
     slots = _slots(like, shardings, names)
     here = _describe(names, slots)
-    if step is not None:
-        path = directory / str(step)
-        meta, problem = _read_meta(path)
-        if problem:
-            raise CheckpointError(
-                f"cannot restore step {step} from {directory}: {problem}. Steps there: "
-                f"{[s for s, _ in _scan(directory)[0]] or 'none'}; restore "
-                f"one of them, or omit step= to load the newest"
-            )
-        candidates, skipped = [(step, meta)], []
-    else:
-        candidates, skipped = _scan(directory)
-        for problem in skipped:
-            warnings.warn(f"skipping checkpoint {problem}", stacklevel=3)
+    candidates, skipped = _candidates(directory, step, "restore")
+    for problem in skipped:
+        warnings.warn(f"skipping checkpoint {problem}", stacklevel=3)
     for s, meta in candidates:
         path = directory / str(s)
         _check_fits(path, meta, here)
@@ -364,11 +353,7 @@ def restore(
             restored["state"],
             int(meta["step"]),
         )
-    found = "; ".join(skipped) if skipped else "no step folder"
-    raise CheckpointError(
-        f"no usable checkpoint in {directory}: expected step folders written by "
-        f"trainer.save(), found {found}. Check the path, or start from scratch"
-    )
+    raise _none_usable(directory, skipped)
 
 
 def read_params(directory: str | os.PathLike, step: int | None = None) -> tuple[int, dict]:
@@ -382,22 +367,10 @@ def read_params(directory: str | os.PathLike, step: int | None = None) -> tuple[
         damaged on disk.
     """
     directory = Path(directory).absolute()
-    if step is None:
-        steps, skipped = _scan(directory)
-        if not steps:
-            found = "; ".join(skipped) if skipped else "no step folder"
-            raise CheckpointError(
-                f"no usable checkpoint in {directory}: expected step folders written by "
-                f"trainer.save() (jscaler train --checkpoint-dir), found {found}"
-            )
-        step, meta = steps[0]
-    else:
-        meta, problem = _read_meta(directory / str(step))
-        if problem:
-            raise CheckpointError(
-                f"cannot read step {step} from {directory}: {problem}. Steps there: "
-                f"{[s for s, _ in _scan(directory)[0]] or 'none'}"
-            )
+    candidates, skipped = _candidates(directory, step, "read")
+    if not candidates:
+        raise _none_usable(directory, skipped)
+    step, meta = candidates[0]
     names = [label for label, _, _ in meta["params"]]
     target = {
         "params": {
@@ -537,6 +510,33 @@ def _fmt(shape_dtype) -> str:
 
 
 # ---- the folder ------------------------------------------------------------------------
+
+
+def _candidates(
+    directory: Path, step: int | None, verb: str
+) -> tuple[list[tuple[int, dict]], list[str]]:
+    """``([(step, metadata)], [skipped folders])`` to try, newest first: ``step``'s alone
+    (a CheckpointError naming the steps there when its metadata cannot be read), else
+    every complete one (:func:`_scan`)."""
+    if step is None:
+        return _scan(directory)
+    meta, problem = _read_meta(directory / str(step))
+    if problem:
+        raise CheckpointError(
+            f"cannot {verb} step {step} from {directory}: {problem}. Steps there: "
+            f"{[s for s, _ in _scan(directory)[0]] or 'none'}; {verb} one of them, or "
+            f"omit the step to use the newest"
+        )
+    return [(step, meta)], []
+
+
+def _none_usable(directory: Path, skipped: list[str]) -> CheckpointError:
+    found = "; ".join(skipped) if skipped else "no step folder"
+    return CheckpointError(
+        f"no usable checkpoint in {directory}: expected step folders written by "
+        f"trainer.save() (jscaler train --checkpoint-dir), found {found}. Check the path, "
+        f"or start from scratch"
+    )
 
 
 def _scan(directory: Path) -> tuple[list[tuple[int, dict]], list[str]]:
