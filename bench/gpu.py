@@ -43,8 +43,6 @@ SMALL_CASES = [
     ("gpt-tiny", "gpt-tiny", 8, "dp(recompute=1)"),
     ("moe-tiny-dropless", "moe-tiny-dropless", 8, "dp"),
 ]
-# device_kind substrings -> cluster presets
-PRESETS = [("H200", "h200"), ("H100", "h100_sxm"), ("A100", "a100_80g"), ("V100", "dgx2_v100")]
 
 
 @dataclass
@@ -70,18 +68,18 @@ class Row:
 
 
 def cluster_of(device) -> str:
-    """The cluster preset of a device (``cpu`` for a CPU)."""
-    if device.platform == "cpu":
-        return "cpu"
-    for key, preset in PRESETS:
-        if key in device.device_kind:
-            return preset
+    """The cluster preset of a device (``cpu`` for a CPU); a PlanError for a GPU no
+    preset describes."""
+    from jscaler.cost.cluster import preset_of
     from jscaler.errors import PlanError
 
-    raise PlanError(
-        f"no cluster preset for {device.device_kind!r}; name one with --cluster "
-        f"(presets: {', '.join(p for _, p in PRESETS)})"
-    )
+    preset = preset_of(device)
+    if preset is None:
+        raise PlanError(
+            f"no cluster preset for {device.device_kind!r}; name one with --cluster "
+            f"(presets: h200, h100_sxm, a100_80g, dgx2_v100, or your own jscaler.Cluster)"
+        )
+    return preset
 
 
 def matmul_roof(dtype: str, n: int = 8192, reps: int = 10) -> float:

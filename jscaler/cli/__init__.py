@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if not init_distributed():
         use_cpu_devices(args.devices or 8)
     enable_compilation_cache()
+    if getattr(args, "cluster", "") is None:  # the local GPU's preset, if one describes it
+        from jscaler.cli.common import local_cluster
+
+        args.cluster = local_cluster()
     from jscaler.errors import DistributedError, JscalerError
 
     try:

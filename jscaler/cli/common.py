@@ -183,9 +183,20 @@ def add_cluster(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the machine the plan is for (dgx2_v100, dgx1_v100, a100_80g, h100_sxm, h200, cpu): "
         "the predicted memory per device is checked against its memory before anything "
-        "runs, and MFU is reported against its peak (default: no memory check on CPU; MFU "
-        "against the cpu preset)",
+        "runs, and MFU is reported against its peak (default: the local GPU's preset when one "
+        "describes it; on CPU no memory check and MFU against the cpu preset)",
     )
+
+
+def local_cluster() -> str | None:
+    """``--cluster``'s default: the preset of the local GPU when one describes it (H200,
+    H100, A100, V100), else None (on CPU: no memory check, MFU against the cpu preset)."""
+    import jax
+
+    from jscaler.cost.cluster import preset_of
+
+    preset = preset_of(jax.devices()[0])
+    return None if preset == "cpu" else preset
 
 
 def throughput(batch) -> tuple[int, int | None]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from jscaler.errors import PlanError
 
-__all__ = ["CLUSTERS", "Cluster", "Link", "get_cluster"]
+__all__ = ["CLUSTERS", "Cluster", "Link", "get_cluster", "preset_of"]
 
 GB = 1e9
 TB = 1e12
@@ -155,6 +155,18 @@ CLUSTERS = {
 CLUSTERS["h200"] = replace(
     CLUSTERS["h100_sxm"], name="h200", memory_bandwidth=4800 * GB, memory=141 * GB
 )
+
+
+# device_kind substrings -> presets
+_KINDS = [("H200", "h200"), ("H100", "h100_sxm"), ("A100", "a100_80g"), ("V100", "dgx2_v100")]
+
+
+def preset_of(device) -> str | None:
+    """The preset of a JAX device: ``"cpu"`` for a CPU, a GPU's by its ``device_kind``
+    (H200, H100, A100, V100), None for another accelerator."""
+    if device.platform == "cpu":
+        return "cpu"
+    return next((preset for key, preset in _KINDS if key in device.device_kind), None)
 
 
 def get_cluster(cluster: str | Cluster) -> Cluster:
