@@ -187,38 +187,50 @@ class Megatron:
         zero = f", zero={self.zero}" if self.zero else ""
         regions = ", regions=True" if self.regions else ""
         name = f"megatron(tp={self.tp}, dp={dp}{sp}{zero}{regions})"
-        plan = Plan.create(graph, mesh, name=name)
-        classes = DimClasses.for_graph(plan.pgraph.graph)
-        plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
-        seeds, heads = tp_seeds(graph, classes)
-        if not seeds and self.tp > 1:
-            raise jscaler.PlanError(
-                f"megatron(tp={self.tp}): the graph has no weight op (a matmul or convolution "
-                f"reading a parameter) or embedding lookup to split; use dp() or zero()"
-            )
-        seeds = _divisible_seeds(graph, seeds, self.tp)
-        # Heads (and what follows them) split along the sequence instead; with sp=True,
-        # every activation outside the tensor-parallel regions does.
-        seq = sequence_axes(graph)
-        seq_roots = {classes.of(*s) for s in seq}
-        batch_roots = {classes.of(*s) for s in batch_axes(graph)}
-        order = {o.id: i for i, o in enumerate(graph.ops)}
-        first_head = min((order[h.id] for h in heads), default=len(graph.ops))
-
-        def choose(op, dim):  # only activations split along the sequence
-            if not any(classes.dim_of(op, r) == dim for r in seq_roots):
-                return True
-            after_head = order.get(op.id, -1) >= first_head
-            return (self.sp or after_head) and any(classes.dim_of(op, r) for r in batch_roots)
-
-        plan = split_classes(plan, seeds + seq, self.tp, classes=classes, choose=choose)
+        # the same split serves every setting of dp x tp on this graph (ZeRO stages,
+        # regions, recomputation, coshard's base): made once per graph
+        key = (tensor_parallel, mesh, self.sp)
+        plan = graph.memo(key, lambda: tensor_parallel(graph, mesh, self.sp)).evolve(name=name)
         _warn_whole_attention(graph, self.tp)
-        plan = zero_over(assign_mesh(plan, ["dp", "tp"]), graph, self.zero)
+        plan = zero_over(plan, graph, self.zero)
+        classes = DimClasses.for_graph(plan.pgraph.graph)
         if self.regions:
+            seeds = _divisible_seeds(graph, tp_seeds(graph, classes)[0], self.tp)
             for ops, seed in tp_regions(classes, seeds, self.tp):
                 if _closed_by_a_weight_op(graph, classes, seed):
                     plan, _ = op_trans(plan, ops, manual())
         return recompute_layers(plan, self.recompute)
+
+
+def tensor_parallel(graph: jscaler.Graph, mesh: MeshSpec, sp: bool = False) -> Plan:
+    """Megatron's split on a ``dp`` x ``tp`` mesh, every op assigned: batch over dp, the
+    tensor-parallel classes over tp (heads and what follows them along the sequence
+    instead; with ``sp``, every activation outside the tensor-parallel regions too)."""
+    dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+    plan = Plan.create(graph, mesh)
+    classes = DimClasses.for_graph(plan.pgraph.graph)
+    plan = split_classes(plan, batch_axes(graph, dp), dp, classes=classes)
+    seeds, heads = tp_seeds(graph, classes)
+    if not seeds and tp > 1:
+        raise jscaler.PlanError(
+            f"megatron(tp={tp}): the graph has no weight op (a matmul or convolution "
+            f"reading a parameter) or embedding lookup to split; use dp() or zero()"
+        )
+    seeds = _divisible_seeds(graph, seeds, tp)
+    seq = sequence_axes(graph)
+    seq_roots = {classes.of(*s) for s in seq}
+    batch_roots = {classes.of(*s) for s in batch_axes(graph)}
+    order = {o.id: i for i, o in enumerate(graph.ops)}
+    first_head = min((order[h.id] for h in heads), default=len(graph.ops))
+
+    def choose(op, dim):  # only activations split along the sequence
+        if not any(classes.dim_of(op, r) == dim for r in seq_roots):
+            return True
+        after_head = order.get(op.id, -1) >= first_head
+        return (sp or after_head) and any(classes.dim_of(op, r) for r in batch_roots)
+
+    plan = split_classes(plan, seeds + seq, tp, classes=classes, choose=choose)
+    return assign_mesh(plan, ["dp", "tp"])
 
 
 def pipeline(graph: jscaler.Graph, inner, pp: int, n_devices: int) -> jscaler.PipelinePlan:

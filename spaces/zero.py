@@ -24,10 +24,9 @@ from jscaler.plan import (
     op_pieces,
     op_trans,
     recompute_layers,
-    replicate,
     shard_dim,
-    split,
     split_classes,
+    split_ops,
 )
 
 
@@ -94,18 +93,20 @@ def shard_params(
     if stage >= 3:
         plan, _ = op_trans(plan, list(algos), decouple())
     pg = plan.pgraph
-    virtual = []
+    virtual, dims_of = [], {}
     for t, dims in algos.items():
         ops = [pg.op(pg.update_ops[_index(pg, t)].id)]
         if stage >= 2:
             ops.append(pg.op(pg.grad_ops[_index(pg, t)].id))
         if stage >= 3:
             ops.append(pg.op(pg.identity_of[t]))
-        for op in ops:
-            for name, d in zip(levels, dims):
-                algo = replicate() if d is None else split(_letter(d))
-                plan, _ = op_trans(plan, op.id, algo, plan.mesh.shape[name])
-            virtual.append(op)
+        virtual.extend(ops)
+        dims_of.update((op.id, dims) for op in ops)
+    # each op split (or replicated) once per level, as op_trans would one op at a time,
+    # in one new plan per level
+    for level, name in enumerate(levels):
+        want = {op: None if d[level] is None else _letter(d[level]) for op, d in dims_of.items()}
+        plan = split_ops(plan, want, plan.mesh.shape[name], strict=True)
     if forward:
         (only,) = axes
         n = plan.mesh.shape[only]
@@ -129,7 +130,7 @@ def _consumer_splits(plan: Plan, graph: jscaler.Graph, t: int, axes) -> dict:
     if not axes:
         return {}
     mesh = plan.mesh
-    users = [(op, k) for op in graph.ops for k, x in enumerate(op.inputs) if x == t]
+    users = [(op, k) for op in graph.consumers(t) for k, x in enumerate(op.inputs) if x == t]
     origin = mesh.device_at({})
     out = {}
     for name in axes:

@@ -93,6 +93,9 @@ INDEXED = {"scatter", "scatter-add", "scatter_add"}
 # gather makes a new buffer: the reshard rule in _memory decides whether it is kept)
 PARAM_VIEWS = {"transpose", "reshape", "squeeze", "expand_dims", "copy"}
 
+# ops whose derivative is their output: the backward reads the output, not the inputs
+OWN_OUTPUT = {"exp", "tanh", "logistic", "sqrt", "rsqrt", "exp2"}
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -147,11 +150,10 @@ def traced_in_half(g) -> bool:
     """Whether ``g`` was traced with half-precision parameters: a trainer computing in
     bf16 traces the loss so (:mod:`jscaler.runtime.precision`), its sizes already half
     (once per graph)."""
-    found = g.__dict__.get("_traced_in_half")
-    if found is None:
-        found = any(str(g.tensors[p.id].dtype) in HALF_DTYPES for p in g.params())
-        object.__setattr__(g, "_traced_in_half", found)
-    return found
+    return g.memo(
+        (traced_in_half,),
+        lambda: any(str(g.tensors[p.id].dtype) in HALF_DTYPES for p in g.params()),
+    )
 
 
 def value_scale(dtype: str, g=None) -> float:
@@ -186,8 +188,8 @@ def compute_roofs(g, cl: Cluster, dtype: str) -> dict[int, float]:
 def op_compute_dtypes(g) -> dict[int, str]:
     """op id -> the dtype name its operands compute in, its first floating input's (once
     per graph)."""
-    found = g.__dict__.get("_op_compute")
-    if found is None:
+
+    def make() -> dict[int, str]:
         found = {}
         for op in g.ops:
             kind = "fp32"
@@ -197,8 +199,9 @@ def op_compute_dtypes(g) -> dict[int, str]:
                     kind = HALF_DTYPES.get(name, "fp32")
                     break
             found[op.id] = kind
-        object.__setattr__(g, "_op_compute", found)
-    return found
+        return found
+
+    return g.memo((op_compute_dtypes,), make)
 
 
 def local_bytes(g, t: int, layout: Layout | None, sizes) -> float:
@@ -236,6 +239,13 @@ def _bwd_factor(op, needs) -> float:
     return 2.0 if op.primitive in CONTRACTIONS else 1.0
 
 
+def _backward_factors(g, needs) -> dict[int, float]:
+    """op id -> :func:`_bwd_factor` of each op of ``g``, once per graph and ``needs``
+    (kept with the table, so its id names it while the graph lives)."""
+    key = (_backward_factors, id(needs))
+    return g.memo(key, lambda: (needs, {op.id: _bwd_factor(op, needs) for op in g.ops}))[1]
+
+
 def saved_for_backward(
     graph, recomputed: Mapping[int, object] | None = None, views: bool = False
 ) -> set[int]:
@@ -248,38 +258,56 @@ def saved_for_backward(
     views of them (:data:`PARAM_VIEWS`): in one compiled step XLA folds the view into the
     matmul reading it, but a pipeline stage's forward program returns it among its
     residuals, a copy per micro-batch in flight."""
-    own_output = {"exp", "tanh", "logistic", "sqrt", "rsqrt", "exp2"}
-    needs = needs_grad(graph)
+    reads, own = _backward_reads(graph)
     groups = recomputed or {}
-    producer = {t: op.id for op in graph.ops for t in op.outputs}
-    saved = set()
-
-    def keep(t, reader):
-        group = groups.get(producer.get(t))
+    saved = {t for op_id, outs in own if op_id not in groups for t in outs}
+    for t, producer, reader in reads:
+        group = groups.get(producer)
         if group is None or groups.get(reader) != group:
             saved.add(t)
+    return saved & _activation_tensors(graph, views)
 
+
+def _backward_reads(graph) -> tuple[tuple, tuple]:
+    """What the backward pass may read, before recomputation decides what is kept (once
+    per graph): ``(tensor, its producer's id or None, reader's id)`` per value a
+    non-linear differentiable op reads, and ``(op id, outputs)`` per op whose derivative
+    is its output."""
+    return graph.memo((_backward_reads,), lambda: _find_backward_reads(graph))
+
+
+def _find_backward_reads(graph) -> tuple[tuple, tuple]:
+    needs = needs_grad(graph)
+    producer = {t: op.id for op in graph.ops for t in op.outputs}
+    reads, own = [], []
     for op in graph.ops:
         if op.primitive in NON_DIFFERENTIABLE or op.primitive in LINEAR:
             continue
         if not any(t in needs for t in op.outputs):
             continue
-        if op.primitive in own_output:
-            if op.id not in groups:
-                saved.update(op.outputs)
+        if op.primitive in OWN_OUTPUT:
+            own.append((op.id, op.outputs))
             continue
         for t in op.tensor_inputs:
             if op.primitive in INDEXED and jnp.issubdtype(graph.tensors[t].dtype, jnp.inexact):
                 continue
-            keep(t, op.id)
-    # a parameter seen through a transpose or reshape (GPT-2's ``kernel.T``) is the
-    # parameter itself, kept anyway: XLA folds the view into the matmul reading it
-    return {
-        t
-        for t in saved
-        if graph.tensors[t].role == "value"
-        and (views or graph.param_behind(t, PARAM_VIEWS) is None)
-    }
+            reads.append((t, producer.get(t), op.id))
+    return tuple(reads), tuple(own)
+
+
+def _activation_tensors(graph, views: bool) -> frozenset[int]:
+    """The tensors that count as activations: values, not parameters, nor (unless
+    ``views``) views of them (a parameter seen through a transpose or reshape, GPT-2's
+    ``kernel.T``, is the parameter itself, kept anyway: XLA folds the view into the
+    matmul reading it). Once per graph."""
+    return graph.memo(
+        (_activation_tensors, views),
+        lambda: frozenset(
+            t
+            for t, tensor in graph.tensors.items()
+            if tensor.role == "value" and (views or graph.param_behind(t, PARAM_VIEWS) is None)
+        ),
+    )
 
 
 def recompute_groups(plan: Plan) -> dict[int, object]:
@@ -388,8 +416,9 @@ def estimate(
 def flops_of(g, needs, recomputed, ops=None) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one forward + backward of ``ops`` (default all)."""
     model = hardware = 0.0
+    factors = _backward_factors(g, needs)
     for op in ops if ops is not None else g.ops:
-        factor = _bwd_factor(op, needs)
+        factor = factors[op.id]
         model += op.flops * (1 + factor)
         hardware += op.flops * (1 + factor + (1.0 if op.id in recomputed and factor else 0.0))
     return model, hardware
@@ -401,7 +430,20 @@ def device_times(
     """op id -> ({device: forward seconds}, {device: backward seconds}) on the roofline,
     recomputation counted in the backward; optimizer-side ops (gradient, update) under
     their own ids, in the backward. ``expert_skew`` scales a ragged_dot's pieces split
-    along its groups (see the module doc)."""
+    along its groups (see the module doc).
+
+    Once per plan and arguments (plans are frozen; a pipeline's group plans are predicted
+    under every schedule a search tries): callers share the result and must not change
+    it."""
+    memo = plan.__dict__.setdefault("_device_times", {})
+    key = (cl, dtype, expert_skew, id(needs), frozenset(recomputed))
+    found = memo.get(key)
+    if found is None or found[0] is not needs:  # the id is needs' own while it is kept
+        found = memo[key] = (needs, _device_times(plan, cl, dtype, needs, recomputed, expert_skew))
+    return found[1]
+
+
+def _device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed, expert_skew) -> dict:
     pg = plan.pgraph
     g = pg.graph
     roofs = compute_roofs(g, cl, dtype)
@@ -497,8 +539,8 @@ def materialised(g) -> frozenset[int]:
     it does not fuse, and a fusible op's outputs read by an op that is neither fusible nor
     a reduction (a matmul, a gather), or by none (the graph's outputs). An elementwise
     chain's other intermediates stay in registers inside one kernel."""
-    found = g.__dict__.get("_materialised")
-    if found is None:
+
+    def make() -> frozenset[int]:
         fused_readers = FUSIBLE | FUSION_ROOTS
         outputs = {t for t in g.outputs if not isinstance(t, Literal)}
         found = set()
@@ -512,19 +554,19 @@ def materialised(g) -> frozenset[int]:
                     or any(r.primitive not in fused_readers for r in readers)
                 ):
                     found.add(t)
-        found = frozenset(found)
-        object.__setattr__(g, "_materialised", found)
-    return found
+        return frozenset(found)
+
+    return g.memo((materialised,), make)
 
 
 def fused_op_bytes(g) -> dict[int, int]:
     """op id -> bytes it moves on a fusing backend: its inputs and outputs that are
     :func:`materialised` (once per graph)."""
-    found = g.__dict__.get("_fused_op_bytes")
-    if found is None:
+
+    def make() -> dict[int, int]:
         done = materialised(g)
         size = {t: local_bytes(g, t, None, None) for t in g.tensors}
-        found = {
+        return {
             o.id: sum(
                 size[t]
                 for t in (*o.tensor_inputs, *o.outputs)
@@ -532,8 +574,8 @@ def fused_op_bytes(g) -> dict[int, int]:
             )
             for o in g.ops
         }
-        object.__setattr__(g, "_fused_op_bytes", found)
-    return found
+
+    return g.memo((fused_op_bytes,), make)
 
 
 def fused_kept(g, saved: set[int]) -> set[int]:
@@ -603,9 +645,14 @@ def _busiest(tree, path, dim, skew: float) -> float:
     return min(skew, ways)
 
 
-def needs_grad(g) -> set[int]:
+def needs_grad(g) -> frozenset[int]:
     """Tensors a gradient flows through: computed from a parameter and reaching the loss
-    along differentiable ops (a recycling pass under ``stop_gradient`` has no backward)."""
+    along differentiable ops (a recycling pass under ``stop_gradient`` has no backward).
+    Once per graph: every estimate and search problem asks."""
+    return g.memo((needs_grad,), lambda: _needs_grad(g))
+
+
+def _needs_grad(g) -> frozenset[int]:
     params = {p.id for p in g.params()}
     down = set(params)
     for op in g.ops:
@@ -615,7 +662,7 @@ def needs_grad(g) -> set[int]:
     for op in reversed(g.ops):
         if op.primitive not in NON_DIFFERENTIABLE and any(t in up for t in op.outputs):
             up.update(op.tensor_inputs)
-    return down & up
+    return frozenset(down & up)
 
 
 def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float = 1.0) -> dict:

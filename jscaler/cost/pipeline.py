@@ -23,6 +23,10 @@ optimizer state, which the runtime splits over every pipeline device.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import jax.numpy as jnp
 
@@ -53,7 +57,7 @@ from jscaler.plan.pipeline import PipelinePlan, pass_of_ops, stage_of_ops
 from jscaler.plan.schedule import Schedule, one_f_one_b
 from jscaler.plan.timeline import simulate
 
-__all__ = ["estimate_pipeline"]
+__all__ = ["estimate_pipeline", "shared_costs"]
 
 
 def _schedule(plan: PipelinePlan, schedule, microbatches: int) -> Schedule:
@@ -82,6 +86,127 @@ def estimate_pipeline(
     check_expert_skew(expert_skew)
     cl = get_cluster(cluster)
     sched = _schedule(plan, schedule, microbatches)
+    costs = _shared_costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew)
+    fwd_cost, bwd_cost, last = costs.fwd, costs.bwd, sched.passes - 1
+    split = sched.split_backward
+
+    def duration(b) -> float:
+        if b.kind in ("F", "R"):
+            return fwd_cost.get((b.stage, b.pass_ if b.kind == "F" else last), 0.0)
+        return bwd_cost.get(b.stage, 0.0) * (0.5 if split else 1.0)
+
+    timeline = simulate(sched, duration)
+    step = timeline.makespan + max(costs.update.values(), default=0.0)
+    busy = max(timeline.busy(gi) for gi in range(len(plan.groups)) if gi not in sched.whole)
+    flight = sched.in_flight()
+    memory = {gi: m.with_flight(flight) for gi, m in costs.memory.items()}
+    # a device in several groups (the all-device group of an interlaced plan) holds each
+    per_device: dict[int, dict] = {}
+    for gi, group in enumerate(plan.groups):
+        for d in group.devices:
+            acc = per_device.setdefault(d, dict.fromkeys(memory[gi], 0.0))
+            for key, v in memory[gi].items():
+                acc[key] += v
+    # the update's state, once per device: master parameters and optimizer moments split
+    # over every pipeline device (ZeRO-1 across the pipeline, jscaler.runtime.handoff)
+    masters = state_scale(dtype, plan.graph)  # fp32 masters of a graph traced in bf16
+    state = masters * (1 + optimizer_slots) * _update_share(plan.graph, len(plan.devices))
+    for acc in per_device.values():
+        acc["optimizer"] += state
+        acc["total"] += state
+    worst = max(per_device.values(), key=lambda m: m["total"])
+    n_devices = len(plan.devices)
+    total_comm = sum(costs.update.values())
+    return Estimate(
+        plan.name or "pipeline",
+        cl.name,
+        n_devices,
+        busy,
+        total_comm,
+        max(0.0, step - busy),
+        step,
+        worst,
+        max(costs.moved.values(), default=0),
+        costs.model * microbatches,
+        costs.hardware * microbatches,
+        cl.peak(dtype),
+        timeline.bubble(),
+        timeline,
+        dict(sorted(per_device.items())),
+    )
+
+
+@dataclass(frozen=True)
+class _GroupMemory:
+    """A group's memory per device but its stages' activations held per micro-batch in
+    flight: ``(stage, bytes)`` per micro-batch (before ``scale``), the rest fixed."""
+
+    params: float
+    grads: float
+    optimizer: float
+    batch: float
+    scale: float  # of the activations' bytes (the compute dtype's)
+    stage_bytes: tuple[tuple[int, float], ...]
+    working: float  # the working set of a recomputed group (scaled)
+
+    def with_flight(self, flight) -> dict:
+        acts = 0.0
+        for s, nbytes in self.stage_bytes:
+            acts += self.scale * flight[s] * nbytes
+        acts += self.working
+        return memory_breakdown(self.params, self.grads, self.optimizer, self.batch, acts)
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """What a pipeline's prediction takes from its stages, whatever the schedule's order
+    of blocks: per (stage, pass) forward and per stage backward seconds, per group the
+    optimizer-side seconds, collective bytes and memory, and the model and hardware FLOPs
+    of one micro-batch."""
+
+    fwd: dict
+    bwd: dict
+    update: dict
+    moved: dict
+    memory: dict
+    model: float
+    hardware: float
+
+
+# the last pipeline's costs (its groups, the key, the costs) while a shared_costs() block
+# runs: plan="auto" predicts a pipeline under every schedule one after another
+_LAST: ContextVar[list | None] = ContextVar("jscaler_pipeline_costs", default=None)
+
+
+@contextmanager
+def shared_costs() -> Iterator[None]:
+    """Within it, a pipeline predicted again under another schedule of the same stages,
+    passes, placement and micro-batches (1F1B, GPipe, zero-bubble) reuses its per-stage
+    costs: only the timeline and the activations in flight are the schedule's. Holds the
+    last pipeline's costs only."""
+    token = _LAST.set([])
+    try:
+        yield
+    finally:
+        _LAST.reset(token)
+
+
+def _shared_costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Costs:
+    key = (
+        plan.cuts, sched.stages, sched.passes, sched.placement, sched.microbatches, cl,
+        microbatches, dtype, algorithm, expert_skew,
+    )  # fmt: skip
+    slot = _LAST.get()
+    if slot and slot[1] == key and len(slot[0]) == len(plan.groups):
+        if all(a.plan is b.plan and a.devices == b.devices for a, b in zip(slot[0], plan.groups)):
+            return slot[2]
+    costs = _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew)
+    if slot is not None:
+        slot[:] = [plan.groups, key, costs]
+    return costs
+
+
+def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Costs:
     g = plan.graph
     act, masters = value_scale(dtype, g), state_scale(dtype, g)
     pass_of = pass_of_ops(g, sched.passes)
@@ -202,51 +327,9 @@ def estimate_pipeline(
             if x in needs and src[1] == last:
                 bwd_cost[src[0]] = bwd_cost.get(src[0], 0.0) + t
 
-    split = sched.split_backward
-
-    def duration(b) -> float:
-        if b.kind in ("F", "R"):
-            return fwd_cost.get((b.stage, b.pass_ if b.kind == "F" else last), 0.0)
-        return bwd_cost.get(b.stage, 0.0) * (0.5 if split else 1.0)
-
-    timeline = simulate(sched, duration)
-    step = timeline.makespan + max(update.values(), default=0.0)
-    busy = max(timeline.busy(gi) for gi in range(len(plan.groups)) if gi not in sched.whole)
     model, _ = flops_of(g, needs, set(), [o for o in g.ops if pass_of[o.id] == last])
     model += sum(o.flops for o in g.ops if pass_of[o.id] != last)
-    # a device in several groups (the all-device group of an interlaced plan) holds each
-    per_device: dict[int, dict] = {}
-    for gi, group in enumerate(plan.groups):
-        for d in group.devices:
-            acc = per_device.setdefault(d, dict.fromkeys(memory[gi], 0.0))
-            for key, v in memory[gi].items():
-                acc[key] += v
-    # the update's state, once per device: master parameters and optimizer moments split
-    # over every pipeline device (ZeRO-1 across the pipeline, jscaler.runtime.handoff)
-    state = masters * (1 + optimizer_slots) * _update_share(g, len(plan.devices))
-    for acc in per_device.values():
-        acc["optimizer"] += state
-        acc["total"] += state
-    worst = max(per_device.values(), key=lambda m: m["total"])
-    n_devices = len(plan.devices)
-    total_comm = sum(update.values())
-    return Estimate(
-        plan.name or "pipeline",
-        cl.name,
-        n_devices,
-        busy,
-        total_comm,
-        max(0.0, step - busy),
-        step,
-        worst,
-        max(moved.values(), default=0),
-        model * microbatches,
-        hardware * microbatches,
-        cl.peak(dtype),
-        timeline.bubble(),
-        timeline,
-        dict(sorted(per_device.items())),
-    )
+    return _Costs(fwd_cost, bwd_cost, update, moved, memory, model, hardware)
 
 
 def _on(op, gi: int, stage_of, sched, graph) -> bool:
@@ -272,10 +355,10 @@ def _update_share(g, n: int) -> float:
 
 def _group_memory(
     scale, gp, low, g, stages, stage_of, pass_of, last, sched, cl, state: float = 1.0
-) -> dict:
+) -> _GroupMemory:
     """A group's stages' memory per device: their parameter copies and gradients (see
-    below), batch and kept activations (the update's master copy and optimizer state are
-    not the group's: :func:`_update_share`)."""
+    below), batch and kept activations per micro-batch in flight (the update's master
+    copy and optimizer state are not the group's: :func:`_update_share`)."""
     sizes = gp.mesh.shape
 
     def size(t, layout):
@@ -297,8 +380,7 @@ def _group_memory(
     # the residuals a stage's forward program returns are what JAX's vjp saves, not what
     # XLA would keep in one fused step: Cluster.fuses_elementwise does not apply to them
     saved = saved_for_backward(g, recompute_groups(gp), views=True)
-    flight = sched.in_flight()
-    acts = 0.0
+    stage_bytes = []
     for s in stages:
         outs = [
             (t, lay)
@@ -307,6 +389,8 @@ def _group_memory(
             for t, lay in zip(o.outputs, low.ops[o.id].outputs)
             if t in saved and not isinstance(t, Literal)
         ]
-        acts += scale * flight[s] * sum(size(t, lay) for t, lay in outs)
-    acts += scale * working_set(low, {o.id for o in mine})
-    return memory_breakdown(state * p_bytes, state * grads, opt, batch, acts)
+        stage_bytes.append((s, sum(size(t, lay) for t, lay in outs)))
+    working = scale * working_set(low, {o.id for o in mine})
+    return _GroupMemory(
+        state * p_bytes, state * grads, opt, batch, scale, tuple(stage_bytes), working
+    )

@@ -174,6 +174,19 @@ class Graph:
     def flops(self) -> float:
         return float(sum(o.flops for o in self.ops))
 
+    def memo(self, key, make: Callable[[], Any]) -> Any:
+        """``make()``, once per graph and hashable ``key``: graphs are immutable, so what
+        is derived from one alone (the tensors a gradient flows through, a space's
+        intermediate plan) is kept with it and goes with it. Keys start with the function
+        that derives the value, so modules do not collide."""
+        cache = self.__dict__.get("_memo")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_memo", cache)
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
     def params(self) -> tuple[Tensor, ...]:
         """The trained parameters among the inputs, in input order."""
         return tuple(self.tensors[i] for i in self.inputs if self.tensors[i].role == "param")

@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
 
-from jscaler.errors import PlanError
+from jscaler.errors import PlanError, SplitError
 from jscaler.ir.graph import Graph, Op
 from jscaler.plan.classes import DimClasses
 from jscaler.plan.mesh import MeshSpec
@@ -92,11 +92,16 @@ def split_classes(
     return split_ops(plan, {op.id: dim_for(op) for op in targets}, n)
 
 
-def split_ops(plan: Plan, dims: Mapping[int, str | Sequence[str] | None], n: int) -> Plan:
+def split_ops(
+    plan: Plan, dims: Mapping[int, str | Sequence[str] | None], n: int, *, strict: bool = False
+) -> Plan:
     """``op_trans`` of many ops at once: every leaf of op ``i`` splits n ways along
     ``dims[i]`` (a dim name, or candidates in order: the first it can split n ways), and
     replicates n ways when it has none. One new plan for all (the primitives one op at a
-    time copy the plan per call: quadratic on graphs of thousands of ops)."""
+    time copy the plan per call: quadratic on graphs of thousands of ops). ``strict``: a
+    leaf none of whose wanted dims splits n ways raises the first one's
+    :class:`SplitError`, as ``op_trans(plan, op, split(dim), n)`` does, instead of
+    replicating."""
     trees = dict(plan.trees)
     pg = plan.pgraph
     for op_id, want in dims.items():
@@ -107,6 +112,8 @@ def split_ops(plan: Plan, dims: Mapping[int, str | Sequence[str] | None], n: int
         tree = trees.get(op_id, Node())
         for path, _ in list(tree.leaves()):
             dim = next((d for d in wanted if not split_problem(op, tree, path, d, n)), None)
+            if strict and wanted and dim is None:
+                raise SplitError(split_problem(op, tree, path, wanted[0], n))
             tree = tree.replace(
                 path,
                 node_with_leaves("split", dim, n)

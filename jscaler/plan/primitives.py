@@ -23,6 +23,7 @@ Example (data parallelism over 4 devices, by hand)::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -164,8 +165,10 @@ def op_trans(plan: Plan, target, algo: Algorithm, n: int = 1) -> tuple[Plan, tup
     return plan.evolve(trees=trees), tuple(made)
 
 
+@functools.lru_cache(maxsize=1024)
 def node_with_leaves(algo: str, dim, n: int) -> Node:
-    """A ``split`` (along ``dim``) or ``replicate`` node with ``n`` leaf pieces."""
+    """A ``split`` (along ``dim``) or ``replicate`` node with ``n`` leaf pieces (nodes
+    are immutable: one per arguments, made once, its hash and leaves walked once)."""
     return Node(algo, dim, tuple(Node() for _ in range(n)))
 
 

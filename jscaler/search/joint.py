@@ -17,7 +17,9 @@ plan is the engine's ILP with recompute) is solved once
 (:func:`jscaler.search.shared_solves`), and one no strategy choice fits fails before its
 edges are priced; each ILP has a solver time limit
 (its FEASIBLE answer is the best it found, and the row says so); ``time_limit`` caps the
-whole search and returns the best so far, saying so. Same inputs, same result: the order is
+whole search and returns the best so far, saying so. A pipeline predicted under several
+schedules of the same stages shares their per-stage costs
+(:func:`jscaler.cost.pipeline.shared_costs`). Same inputs, same result: the order is
 fixed and CP-SAT runs deterministically; the winner is returned as it was planned. Results
 are cached: the table of every candidate's prediction under
 ``<cache_dir>/plans/auto-*.json``, keyed by the graphs, devices, cluster, capacity, dtype,
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.estimate import Estimate, check_expert_skew, estimate, roofline_seconds
-from jscaler.cost.pipeline import estimate_pipeline
+from jscaler.cost.pipeline import estimate_pipeline, shared_costs
 from jscaler.errors import JscalerError, PlanError
 from jscaler.ir.graph import Graph
 from jscaler.plan.helpers import recomputed_layers
@@ -258,7 +260,7 @@ def search(
             )  # fmt: skip
         except (PlanError, ValueError, KeyError, TypeError):
             pass  # stale or unreadable: search again and overwrite it
-    with shared_solves():
+    with shared_solves(), shared_costs():
         rows, stopped, kept = _run(
             cands, offered, graph_of, n_devices, knobs, schedules, time_limit, progress, start
         )

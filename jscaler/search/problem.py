@@ -304,6 +304,9 @@ def build_problem(
         raise no_fit(mesh, capacity, memory)
 
     edges: dict[tuple[int, int], list[list[float]]] = {}
+    # a conversion's price depends on the tensor's shape and dtype and the two layouts
+    # only: strategies and edges of the same shape share it
+    priced: dict[tuple, float] = {}
     for op in graph.ops:
         for k, x in enumerate(op.inputs):
             if isinstance(x, Literal):
@@ -321,18 +324,19 @@ def build_problem(
             isz = jnp.dtype(graph.tensors[x].dtype).itemsize
             mat = [[0.0] * len(strategies[b]) for _ in strategies[a]]
             dsts = [_reduced(graph, op, k, sc, mesh, inputs=True) for sc in strategies[b]]
-            priced: dict[tuple[Layout, Layout], float] = {}  # strategies share layouts
+            back = x in needs  # the cotangent goes back: dst -> src
             for i, sp in enumerate(strategies[a]):
                 src = _reduced(graph, src_op, src_k, sp, mesh, inputs=src_in)
                 for j, dst in enumerate(dsts):
                     if a == b and i != j:
                         continue
-                    if (src, dst) not in priced:
+                    key = (shape, isz, back, src, dst)
+                    if key not in priced:
                         moves = convert(shape, isz, src, dst, sizes)
-                        if x in needs:  # the cotangent goes back: dst -> src
+                        if back:
                             moves += convert(shape, isz, dst, src, sizes)
-                        priced[src, dst] = sum(coll(kind, nb, axes) for kind, axes, nb in moves)
-                    mat[i][j] = priced[src, dst]
+                        priced[key] = sum(coll(kind, nb, axes) for kind, axes, nb in moves)
+                    mat[i][j] = priced[key]
             if not any(any(row) for row in mat):
                 continue
             if a == b:
