@@ -9,7 +9,8 @@ from flax import nnx
 
 import jscaler
 import models
-from jscaler.cost.estimate import fused_kept, materialised, saved_for_backward
+from jscaler.cost.estimate import saved_for_backward
+from jscaler.cost.fusion import fused_kept, materialised
 from jscaler.runtime.precision import with_compute_dtype
 from models import gpt
 from spaces import dp

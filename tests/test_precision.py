@@ -16,7 +16,7 @@ from flax import nnx
 
 import jscaler
 import models
-from jscaler.cost.estimate import op_compute_dtypes
+from jscaler.cost.precision import op_compute_dtypes
 from jscaler.runtime.reference import TOLERANCES, compare, reference_steps
 from models import gpt
 from spaces import dp, megatron, zero

@@ -59,7 +59,7 @@ class Cluster:
       fuses_elementwise: whether to model the backend's fusion of elementwise chains into
         one kernel (XLA's GPU backend): an intermediate of such a chain is neither moved
         through memory nor kept for the backward, which recomputes it from the chain's
-        inputs (:func:`jscaler.cost.estimate.materialised`). On the A100, H100 and H200
+        inputs (:func:`jscaler.cost.fusion.materialised`). On the A100, H100 and H200
         presets; the V100 ones keep the unfused model the paper's table was made with.
     """
 

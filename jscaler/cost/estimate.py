@@ -55,9 +55,10 @@ from jscaler.compile.lower import lower
 from jscaler.compile.reshard import reshard_units
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import Combined, collective_time
+from jscaler.cost.fusion import fused_kept, fused_op_bytes
+from jscaler.cost.precision import compute_roofs, row_scale, state_scale, value_scale
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Literal
-from jscaler.ir.rules_elementwise import BINARY, TERNARY, UNARY
 from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
 
@@ -67,7 +68,6 @@ __all__ = [
     "check_expert_skew",
     "estimate",
     "needs_grad",
-    "op_compute_dtypes",
     "roofline_seconds",
     "ragged_expansions",
     "saved_for_backward",
@@ -138,70 +138,6 @@ class Estimate:
             f"activations {mem['activations'] / 2**20:.1f}); collectives "
             f"{self.comm_bytes / 1e6:.2f} MB per device"
         )
-
-
-HALF = ("fp16", "bf16")
-
-
-HALF_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
-
-
-def traced_in_half(g) -> bool:
-    """Whether ``g`` was traced with half-precision parameters: a trainer computing in
-    bf16 traces the loss so (:mod:`jscaler.runtime.precision`), its sizes already half
-    (once per graph)."""
-    return g.memo(
-        (traced_in_half,),
-        lambda: any(str(g.tensors[p.id].dtype) in HALF_DTYPES for p in g.params()),
-    )
-
-
-def value_scale(dtype: str, g=None) -> float:
-    """What a traced activation (or collective, or kernel operand) weighs when the step
-    computes in ``dtype``: half of a traced fp32 value for fp16/bf16 mixed precision
-    (parameters, their gradients and optimizer state stay fp32 masters); a graph ``g``
-    traced in half precision already has the step's sizes."""
-    if dtype not in HALF or (g is not None and traced_in_half(g)):
-        return 1.0
-    return 0.5
-
-
-def state_scale(dtype: str, g) -> float:
-    """What a traced parameter (its gradient, its optimizer state) weighs: the fp32
-    masters of a graph traced in half precision are twice its traced size."""
-    return 2.0 if dtype in HALF and traced_in_half(g) else 1.0
-
-
-def compute_roofs(g, cl: Cluster, dtype: str) -> dict[int, float]:
-    """op id -> the FLOP/s its kernels reach: every op at ``dtype``'s peak for a graph
-    traced in fp32 and run in half precision (the what-if of ``estimate(dtype="bf16")``),
-    else each op at its own operands' dtype's (a model that computes its matmuls in bf16
-    gets the bf16 peak, its fp32 ones the fp32 one: TF32 on presets where JAX's default
-    precision runs them so, see :attr:`Cluster.fp32_matmul`)."""
-    if dtype in HALF and not traced_in_half(g):
-        roof = cl.peak(dtype) * cl.efficiency
-        return dict.fromkeys((op.id for op in g.ops), roof)
-    roofs = {k: cl.peak(k if k in cl.flops else "fp32") * cl.efficiency for k in ("fp32", *HALF)}
-    return {op: roofs[kind] for op, kind in op_compute_dtypes(g).items()}
-
-
-def op_compute_dtypes(g) -> dict[int, str]:
-    """op id -> the dtype name its operands compute in, its first floating input's (once
-    per graph)."""
-
-    def make() -> dict[int, str]:
-        found = {}
-        for op in g.ops:
-            kind = "fp32"
-            for t in op.tensor_inputs:
-                name = str(g.tensors[t].dtype)
-                if name in HALF_DTYPES or name.startswith("float"):
-                    kind = HALF_DTYPES.get(name, "fp32")
-                    break
-            found[op.id] = kind
-        return found
-
-    return g.memo((op_compute_dtypes,), make)
 
 
 def local_bytes(g, t: int, layout: Layout | None, sizes) -> float:
@@ -380,9 +316,7 @@ def estimate(
         fixed = {a: 0 for a in mesh.names if a not in r.axes}
         group = mesh.group(**fixed)
         grad = r.phase == "backward" and r.tensor in params
-        nbytes = r.bytes * (state if r.phase == "update" else act)
-        if grad and state > 1:  # fp32 gradients of the masters, through the cast
-            nbytes = r.bytes * state
+        nbytes = r.bytes * row_scale(r.phase, grad, act, state)
         if grad or r.phase == "update":
             # gradients accumulate over micro-batches and reduce once, behind the
             # backward; the optimizer side (a ZeRO all-gather of the new parameters) runs
@@ -523,79 +457,6 @@ def _op_bytes(g) -> dict[int, int]:
         found = {o.id: sum(size[t] for t in (*o.tensor_inputs, *o.outputs)) for o in g.ops}
         object.__setattr__(g, "_op_bytes", found)
     return found
-
-
-# what a fusing backend (XLA's GPU one) fuses into one kernel: elementwise ops, their
-# broadcasts and reshapes, with a reduction as the fusion's root (an input fusion)
-FUSIBLE = {
-    *UNARY, *BINARY, *TERNARY, "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-    "iota", "transpose",
-}  # fmt: skip
-FUSION_ROOTS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
-
-
-def materialised(g) -> frozenset[int]:
-    """Tensors a fusing backend writes to memory (once per graph): every output of an op
-    it does not fuse, and a fusible op's outputs read by an op that is neither fusible nor
-    a reduction (a matmul, a gather), or by none (the graph's outputs). An elementwise
-    chain's other intermediates stay in registers inside one kernel."""
-
-    def make() -> frozenset[int]:
-        fused_readers = FUSIBLE | FUSION_ROOTS
-        outputs = {t for t in g.outputs if not isinstance(t, Literal)}
-        found = set()
-        for op in g.ops:
-            for t in op.outputs:
-                readers = g.consumers(t)
-                if (
-                    op.primitive not in FUSIBLE
-                    or t in outputs
-                    or not readers
-                    or any(r.primitive not in fused_readers for r in readers)
-                ):
-                    found.add(t)
-        return frozenset(found)
-
-    return g.memo((materialised,), make)
-
-
-def fused_op_bytes(g) -> dict[int, int]:
-    """op id -> bytes it moves on a fusing backend: its inputs and outputs that are
-    :func:`materialised` (once per graph)."""
-
-    def make() -> dict[int, int]:
-        done = materialised(g)
-        size = {t: local_bytes(g, t, None, None) for t in g.tensors}
-        return {
-            o.id: sum(
-                size[t]
-                for t in (*o.tensor_inputs, *o.outputs)
-                if t in done or g.producer(t) is None
-            )
-            for o in g.ops
-        }
-
-    return g.memo((fused_op_bytes,), make)
-
-
-def fused_kept(g, saved: set[int]) -> set[int]:
-    """What a fusing backend keeps for the backward of ``saved``: a materialised value as
-    it is; an intermediate of an elementwise chain is recomputed by the backward's fusion
-    from the chain's materialised inputs, which are kept instead."""
-    done = materialised(g)
-    kept, seen = set(), set()
-    stack = list(saved)
-    while stack:
-        t = stack.pop()
-        if t in seen:
-            continue
-        seen.add(t)
-        op = g.producer(t)
-        if t in done or op is None:
-            kept.add(t)
-        else:
-            stack.extend(op.tensor_inputs)
-    return kept
 
 
 def _share(tree, path) -> float:

@@ -46,11 +46,10 @@ from jscaler.cost.estimate import (
     recomputed_ops,
     reduced_bytes,
     saved_for_backward,
-    state_scale,
     unreduced_grad,
-    value_scale,
     working_set,
 )
+from jscaler.cost.precision import row_scale, state_scale, value_scale
 from jscaler.errors import ScheduleError
 from jscaler.ir.graph import Literal
 from jscaler.plan.pipeline import PipelinePlan, pass_of_ops, stage_of_ops
@@ -287,7 +286,7 @@ def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Cos
             fixed = {a: 0 for a in mesh.names if a not in r.axes}
             devs = [group.devices[mesh.devices.index(d)] for d in mesh.group(**fixed)]
             grad = r.phase == "backward" and r.tensor in from_params
-            nbytes = r.bytes * (masters if r.phase == "update" or grad else act)
+            nbytes = r.bytes * row_scale(r.phase, grad, act, masters)
             # each micro-batch's backward program reduces its parameter gradients (the
             # stages run one program per micro-batch); the update side runs once
             moved[gi] += r.bytes * r.times * (1 if r.phase == "update" else microbatches)

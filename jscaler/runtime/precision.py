@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jscaler.cost.estimate import CONTRACTIONS, op_compute_dtypes
+from jscaler.cost.estimate import CONTRACTIONS
+from jscaler.cost.precision import op_compute_dtypes
 from jscaler.errors import PlanError
 
 __all__ = [

@@ -39,16 +39,9 @@ from jscaler.compile.comm import NON_DIFFERENTIABLE, convert
 from jscaler.compile.layout import Layout
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
-from jscaler.cost.estimate import (
-    CONTRACTIONS,
-    compute_roofs,
-    fused_kept,
-    local_bytes,
-    materialised,
-    needs_grad,
-    saved_for_backward,
-    value_scale,
-)
+from jscaler.cost.estimate import CONTRACTIONS, local_bytes, needs_grad, saved_for_backward
+from jscaler.cost.fusion import fused_kept, materialised
+from jscaler.cost.precision import compute_roofs, value_scale
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph, Literal, Op
 from jscaler.plan.helpers import recomputed_layers, shard_dim
@@ -197,7 +190,7 @@ def build_problem(
     moves = None  # every tensor an op reads or writes moves through memory
     if cl.fuses_elementwise:  # as the estimate: only materialised ones, and kept
         saved = fused_kept(graph, saved)
-        moves = materialised(graph) | {t for t in graph.tensors if graph.producer(t) is None}
+        moves = materialised(graph)
     scale = value_scale(dtype, graph)  # activations in the compute dtype
     first_reader: dict[int, int] = {}
     for op in graph.ops:

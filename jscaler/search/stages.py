@@ -22,7 +22,8 @@ from jscaler.compile.comm import comm_table
 from jscaler.compile.lower import lower
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
-from jscaler.cost.estimate import device_times, needs_grad, value_scale
+from jscaler.cost.estimate import device_times, needs_grad
+from jscaler.cost.precision import value_scale
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
 from jscaler.plan.plan import Plan

@@ -1,0 +1,81 @@
+"""A fusing backend's view of a graph (XLA's GPU backend; ``Cluster.fuses_elementwise``):
+an elementwise chain is one kernel, its intermediates neither moved through memory nor
+kept for the backward, which recomputes them from the chain's materialised inputs."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jscaler.ir.graph import Literal
+from jscaler.ir.rules_elementwise import BINARY, TERNARY, UNARY
+
+__all__ = ["FUSIBLE", "FUSION_ROOTS", "fused_kept", "fused_op_bytes", "materialised"]
+
+# what a fusing backend (XLA's GPU one) fuses into one kernel: elementwise ops, their
+# broadcasts and reshapes, with a reduction as the fusion's root (an input fusion)
+FUSIBLE = {
+    *UNARY, *BINARY, *TERNARY, "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+    "iota", "transpose",
+}  # fmt: skip
+FUSION_ROOTS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+
+
+def materialised(g) -> frozenset[int]:
+    """Tensors a fusing backend holds in memory (once per graph): the step's inputs, every
+    output of an op it does not fuse, and a fusible op's outputs read by an op that is
+    neither fusible nor a reduction (a matmul, a gather), or by none (the graph's
+    outputs). An elementwise chain's other intermediates stay in registers inside one
+    kernel."""
+
+    def make() -> frozenset[int]:
+        fused_readers = FUSIBLE | FUSION_ROOTS
+        outputs = {t for t in g.outputs if not isinstance(t, Literal)}
+        found = {t for t in g.tensors if g.producer(t) is None}  # the step's inputs
+        for op in g.ops:
+            for t in op.outputs:
+                readers = g.consumers(t)
+                if (
+                    op.primitive not in FUSIBLE
+                    or t in outputs
+                    or not readers
+                    or any(r.primitive not in fused_readers for r in readers)
+                ):
+                    found.add(t)
+        return frozenset(found)
+
+    return g.memo((materialised,), make)
+
+
+def fused_op_bytes(g) -> dict[int, int]:
+    """op id -> bytes it moves on a fusing backend: its inputs and outputs that are
+    :func:`materialised` (once per graph)."""
+
+    def make() -> dict[int, int]:
+        done = materialised(g)
+        size = {t: math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for t, x in g.tensors.items()}
+        return {
+            o.id: sum(size[t] for t in (*o.tensor_inputs, *o.outputs) if t in done) for o in g.ops
+        }
+
+    return g.memo((fused_op_bytes,), make)
+
+
+def fused_kept(g, saved: set[int]) -> set[int]:
+    """What a fusing backend keeps for the backward of ``saved``: a materialised value as
+    it is; an intermediate of an elementwise chain is recomputed by the backward's fusion
+    from the chain's materialised inputs, which are kept instead."""
+    done = materialised(g)
+    kept, seen = set(), set()
+    stack = list(saved)
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if t in done:
+            kept.add(t)
+        else:
+            stack.extend(g.producer(t).tensor_inputs)
+    return kept
