@@ -5,9 +5,9 @@ New plans every run (the seed is in pytest's header; see randomised.py), on mesh
 8 devices of 1 to 3 axes, with op_trans (splits, replicas, a wild split), op_assign
 (along the mesh, swapped, random), op_order and recompute. Plans per run:
 
-* mlp-tiny: ``JSCALER_HYPOTHESIS_EXAMPLES`` (default 300), every op's splits drawn;
+* mlp-tiny: ``JSCALER_HYPOTHESIS_EXAMPLES`` (default 150), every op's splits drawn;
 * gpt-tiny (attention, RoPE, the embedding gather): ``JSCALER_RANDOM_GPT_EXAMPLES``
-  (default 24). Each mesh level splits one dim class drawn at random and up to 4 ops
+  (default 16). Each mesh level splits one dim class drawn at random and up to 4 ops
   draw their own: a plan drawing every one of its 435 ops' splits changes layout at
   almost every op, and XLA's SPMD partitioner, unable to go between most pairs of those
   layouts with one collective, replicates and re-partitions the tensor each time
@@ -42,8 +42,8 @@ from jscaler.plan.primitives import dim_extent
 from jscaler.runtime.reference import reference_steps
 
 EXAMPLES = {
-    "mlp-tiny": examples("JSCALER_HYPOTHESIS_EXAMPLES", 300),
-    "gpt-tiny": examples("JSCALER_RANDOM_GPT_EXAMPLES", 24),
+    "mlp-tiny": examples("JSCALER_HYPOTHESIS_EXAMPLES", 150),
+    "gpt-tiny": examples("JSCALER_RANDOM_GPT_EXAMPLES", 16),
     "convnet-tiny": examples("JSCALER_RANDOM_CONVNET_EXAMPLES", 60),
 }
 # ops drawing their own splits (None: all of them); the rest split along a class per level

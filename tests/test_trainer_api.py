@@ -224,3 +224,32 @@ def test_a_pipeline_replans_for_a_new_batch_shape_once():
     mm = compare(trainer_steps(trainer, batches), want)
     assert mm.ok, "\n".join(mm.lines)
     assert trainer.planner.builds == 2 and len(trainer.planner.programs) == 2
+
+
+@pytest.mark.parametrize("degrees", [{"tp": 2, "dp": 4}, {"pp": 2, "dp": 4}])
+def test_value_and_grad_and_step_agree_with_step_and_grads(degrees):
+    """The checks against one device run step_and_grads (one program); value_and_grad and
+    step (two programs on an SPMD plan, the same stage programs in a pipeline) give the
+    same loss, gradients and next parameters, and one device's."""
+    spec = models.get("mlp-tiny")
+    batches = [spec.batch(16, seed) for seed in range(2)]
+    want = reference_steps(spec.init(0), spec.loss, optax.sgd(0.1), batches)
+    make = lambda: jscaler.parallelize(  # noqa: E731
+        spec.init(0), spec.loss, optax.sgd(0.1), batches[0], devices=8,
+        plan=megatron(**degrees), microbatches=2,
+    )  # fmt: skip
+    a, b = make(), make()
+    got = []
+    for batch in batches:
+        loss, grads = a.value_and_grad(batch)
+        metrics = a.step(batch)
+        b_metrics, b_grads = b.step_and_grads(batch)
+        assert metrics == pytest.approx(b_metrics, rel=1e-6)
+        assert loss == pytest.approx(metrics["loss"], rel=1e-6)
+        for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(b_grads), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+        got.append((metrics["loss"], grads, a.params))
+    mm = compare(got, want)
+    assert mm.ok, "\n".join(mm.lines)

@@ -301,19 +301,28 @@ class PipelineProgram:
         )
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
+        new, metrics, _ = self._step(state, batch, keep_grads=False)
+        return new, metrics
+
+    def step_and_grads(self, state: TrainState, batch):
+        return self._step(state, batch, keep_grads=True)
+
+    def _step(self, state: TrainState, batch, keep_grads: bool):
         loss, grads = self._run(state, batch)
         loss = float(loss)
-        if not math.isfinite(loss):  # caught before the update runs
-            return state, {"loss": loss, "grad_norm": float("nan")}
         h = self.driver.handoff
+        contributions = h.gradients(grads)
+        kept = [h.gathered(parts) for parts in contributions] if keep_grads else None
+        if not math.isfinite(loss):  # caught before the update runs
+            return state, {"loss": loss, "grad_norm": float("nan")}, kept
         master, opt, gnorm, done, stacked = self.update_step(
-            state.params, state.opt_state, h.gradients(grads)
+            state.params, state.opt_state, contributions
         )
         self._staged = (list(master), h.stage_params(master, stacked))
         gnorm = float(np.asarray(gnorm.addressable_data(0)))
         done = bool(np.asarray(done.addressable_data(0)))  # not done: the old arrays
         new = TrainState(master, opt, state.model_state, state.step + done)
-        return new, {"loss": loss, "grad_norm": gnorm}
+        return new, {"loss": loss, "grad_norm": gnorm}, kept
 
     def value_and_grad(self, state: TrainState, batch) -> tuple[float, list]:
         loss, grads = self._run(state, batch)

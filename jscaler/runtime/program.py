@@ -69,6 +69,12 @@ class Program(Protocol):
         :func:`check_finite`); the arrays passed in may be donated either way."""
         ...
 
+    def step_and_grads(self, state: TrainState, batch) -> tuple[TrainState, dict, list]:
+        """:meth:`step`, also returning the gradients it applied (leaves gathered to host
+        arrays): what a check against one device compares, at the cost of one program
+        instead of a step and a :meth:`value_and_grad` compiled apart."""
+        ...
+
     def eval(self, state: TrainState, batch) -> dict[str, float]:
         """``{"loss"}`` on ``batch`` without an update."""
         ...

@@ -8,6 +8,8 @@ parameters in their storage layout. ZeRO-1/2/3 are these layouts, not separate c
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,10 +87,17 @@ class SpmdProgram:
             out_shardings=(sh.params, sh.opt_state, sh.model_state, rep, rep, rep),
             donate_argnums=(0, 1, 2),
         )
+        grad_shardings = [lowered.sharding(lay) for lay in self.grad_layouts]
+        self._step_and_grads = jax.jit(  # the step, its gradients as outputs too
+            functools.partial(self._update, keep_grads=True),
+            in_shardings=(sh.params, sh.opt_state, sh.model_state, self.batch_shardings),
+            out_shardings=(sh.params, sh.opt_state, sh.model_state, rep, rep, rep, grad_shardings),
+            donate_argnums=(0, 1, 2),
+        )
         self._grad = jax.jit(
             lambda p, s, b: (lambda r: (r[0], r[2]))(self._loss_and_grads(p, s, b)),
             in_shardings=(sh.params, sh.model_state, self.batch_shardings),
-            out_shardings=(rep, [lowered.sharding(lay) for lay in self.grad_layouts]),
+            out_shardings=(rep, grad_shardings),
         )
         self._eval = jax.jit(
             self._loss_only,
@@ -133,7 +142,7 @@ class SpmdProgram:
         )  # fmt: skip
         return loss, state, grads
 
-    def _update(self, params, opt_state, state, batch):
+    def _update(self, params, opt_state, state, batch, keep_grads=False):
         low = self.low
         loss, new_state, grads = self._loss_and_grads(params, state, batch)
         grad_norm = optax.tree.norm(grads)
@@ -146,7 +155,8 @@ class SpmdProgram:
         new, new_opt, new_state, ok = guarded_update(
             self.optimizer, p_tree, g_tree, opt_state, ok, (new_state, state)
         )
-        return jax.tree_util.tree_leaves(new), new_opt, new_state, loss, grad_norm, ok
+        out = jax.tree_util.tree_leaves(new), new_opt, new_state, loss, grad_norm, ok
+        return (*out, grads) if keep_grads else out
 
     def put_batch(self, batch) -> list:
         """The batch's leaves, checked, on the plan's batch layouts (never donated)."""
@@ -166,6 +176,14 @@ class SpmdProgram:
         loss, gnorm, done = float(loss), float(gnorm), bool(done)  # not done: the old arrays
         new = TrainState(params, opt, model_state, state.step + done)
         return new, {"loss": loss, "grad_norm": gnorm}
+
+    def step_and_grads(self, state: TrainState, batch):
+        b = self.put_batch(batch)
+        *out, grads = self._step_and_grads(state.params, state.opt_state, state.model_state, b)
+        params, opt, model_state, loss, gnorm, done = out
+        loss, gnorm, done = float(loss), float(gnorm), bool(done)
+        new = TrainState(params, opt, model_state, state.step + done)
+        return new, {"loss": loss, "grad_norm": gnorm}, [gather(g) for g in grads]
 
     def value_and_grad(self, state: TrainState, batch) -> tuple[float, list]:
         loss, grads = self._grad(state.params, state.model_state, self.put_batch(batch))

@@ -102,6 +102,21 @@ class Trainer:
         check_finite(metrics["loss"], metrics["grad_norm"], before + 1, applied)
         return metrics
 
+    @peer_failures_as_errors
+    def step_and_grads(self, batch) -> tuple[dict[str, float], object]:
+        """:meth:`step`, also returning the gradients it applied (gathered, in the
+        parameters' pytree): ``(metrics, grads)``. One compiled program where
+        :meth:`value_and_grad` then :meth:`step` compile two, so checks against one device
+        (:func:`jscaler.runtime.reference.trainer_steps`, ``jscaler verify``) use it.
+
+        Raises:
+          NonFiniteLossError: as :meth:`step`.
+        """
+        before = self.state.step
+        self.state, metrics, grads = self.use(batch).step_and_grads(self.state, batch)
+        check_finite(metrics["loss"], metrics["grad_norm"], before + 1, self.state.step != before)
+        return metrics, self._tree(grads)
+
     def eval(self, batch) -> dict[str, float]:
         """The loss on ``batch`` at the current parameters, without an update (the forward
         only under the same plan; model state such as BatchNorm statistics is not updated
