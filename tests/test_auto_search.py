@@ -13,6 +13,7 @@ import spaces  # noqa: F401  (registers every space's settings)
 from jscaler.cli.common import abstract_model
 from jscaler.cost import estimate, estimate_pipeline
 from jscaler.search import (
+    Auto,
     Candidate,
     build_problem,
     fits_at_all,
@@ -171,6 +172,10 @@ def test_the_search_is_deterministic_cached_and_explained(tmp_path, monkeypatch)
     assert {"data_parallel", "intra_op(d=8)", "pipeline(pp=2, intra_op)"} <= kinds
     assert any(r.name.startswith("megatron(") for r in first.rows)
     assert {r.schedule for r in first.rows} >= {"1f1b", "gpipe", "zero_bubble"}
+    # as a space, the winner's plan carries its search (train --explain prints it)
+    plan = Auto(cluster=CLUSTER, microbatches=2)(graph, N)
+    assert plan.name == first.plan.name and plan.searched.explain() == cached.explain()
+    assert first.plan.searched is None  # the table's own plan: not tagged
 
 
 def test_memory_prunes_and_decides(tmp_path, monkeypatch):

@@ -161,9 +161,8 @@ def _plan_cmd(args) -> int:
                 "plan_s": took,
             }
         )
-        if args.explain and "search" in plan.__dict__:
-            problem, sol = plan.__dict__["search"]
-            print(explain(problem, sol))
+        if args.explain and plan.solved is not None:
+            print(explain(*plan.solved))
     if args.json:
         print(json.dumps({"model": spec.name, "cluster": cluster.name, "plans": rows}, indent=1))
         return 0

@@ -220,8 +220,8 @@ def _train(args, parser) -> int:
     print(describe(trainer))
     print(f"recipe: {_recipe_line(recipe, args, trainer.precision)}")
     if args.explain:
-        if (searched := trainer.plan.__dict__.get("auto")) is not None:
-            print(searched.explain())
+        if trainer.plan.searched is not None:
+            print(trainer.plan.searched.explain())
         for plan in plans_of(trainer):
             print(explain(plan))
     start_step = 0

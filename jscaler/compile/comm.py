@@ -150,10 +150,7 @@ def _reduce(shape, itemsize, layout: Layout, partial, target: Layout, sizes):
 def comm_table(lowered, microbatches: int = 1) -> CommTable:
     """The collectives one training step under ``lowered`` implies (see module doc);
     computed once per lowering and micro-batch count."""
-    cache = lowered.__dict__.setdefault("_comm_tables", {})
-    if microbatches not in cache:
-        cache[microbatches] = _comm_table(lowered, microbatches)
-    return cache[microbatches]
+    return lowered.memo((comm_table, microbatches), lambda: _comm_table(lowered, microbatches))
 
 
 def _comm_table(lowered, microbatches: int) -> CommTable:

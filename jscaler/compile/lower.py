@@ -38,6 +38,7 @@ from jscaler.compile.reshard import reshard_units, run_resharded
 from jscaler.compile.segment import Segment
 from jscaler.errors import LayoutError
 from jscaler.ir.graph import Literal, Op
+from jscaler.ir.memo import Memoized
 from jscaler.ir.rules_elementwise import PLACEMENT
 from jscaler.plan.pieces import device_pieces
 from jscaler.plan.plan import Plan
@@ -54,7 +55,7 @@ class OpLayouts:
 
 
 @dataclass(frozen=True, eq=False)
-class Lowered:
+class Lowered(Memoized):
     """A plan lowered onto concrete devices: the mesh, every layout, and the forward."""
 
     plan: Plan
@@ -84,11 +85,7 @@ def lower(plan: Plan, devices) -> Lowered:
     ``devices=None`` gives the layouts alone (no mesh: for the cost model, which plans
     for devices this process does not have; computed once per plan)."""
     if devices is None:
-        found = plan.__dict__.get("_abstract_lowering")
-        if found is None:
-            found = _lower(plan, None)
-            object.__setattr__(plan, "_abstract_lowering", found)
-        return found
+        return plan.memo((lower,), lambda: _lower(plan, None))
     return _lower(plan, devices)
 
 

@@ -369,7 +369,7 @@ def device_times(
     Once per plan and arguments (plans are frozen; a pipeline's group plans are predicted
     under every schedule a search tries): callers share the result and must not change
     it."""
-    memo = plan.__dict__.setdefault("_device_times", {})
+    memo = plan.memo((device_times,), dict)
     key = (cl, dtype, expert_skew, id(needs), frozenset(recomputed))
     found = memo.get(key)
     if found is None or found[0] is not needs:  # the id is needs' own while it is kept
@@ -451,12 +451,12 @@ def _backward_multiple(op, needs, recomputed) -> float:
 
 def _op_bytes(g) -> dict[int, int]:
     """op id -> bytes of its tensor inputs and outputs (once per graph)."""
-    found = g.__dict__.get("_op_bytes")
-    if found is None:
+
+    def make():
         size = {t: local_bytes(g, t, None, None) for t in g.tensors}
-        found = {o.id: sum(size[t] for t in (*o.tensor_inputs, *o.outputs)) for o in g.ops}
-        object.__setattr__(g, "_op_bytes", found)
-    return found
+        return {o.id: sum(size[t] for t in (*o.tensor_inputs, *o.outputs)) for o in g.ops}
+
+    return g.memo((_op_bytes,), make)
 
 
 def _share(tree, path) -> float:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jscaler.ir.annotation import Annotation
+from jscaler.ir.memo import Memoized
 
 __all__ = ["Coverage", "Graph", "Layer", "Literal", "Op", "Tensor"]
 
@@ -118,7 +119,7 @@ class Layer:
 
 
 @dataclass(frozen=True, eq=False)
-class Graph:
+class Graph(Memoized):
     """Ops over tensors, with graph-level inputs and outputs (tensor ids or literals).
 
     ``consts`` holds the values of ``const`` tensors; ``signature`` (top-level graphs
@@ -173,19 +174,6 @@ class Graph:
     @property
     def flops(self) -> float:
         return float(sum(o.flops for o in self.ops))
-
-    def memo(self, key, make: Callable[[], Any]) -> Any:
-        """``make()``, once per graph and hashable ``key``: graphs are immutable, so what
-        is derived from one alone (the tensors a gradient flows through, a space's
-        intermediate plan) is kept with it and goes with it. Keys start with the function
-        that derives the value, so modules do not collide."""
-        cache = self.__dict__.get("_memo")
-        if cache is None:
-            cache = {}
-            object.__setattr__(self, "_memo", cache)
-        if key not in cache:
-            cache[key] = make()
-        return cache[key]
 
     def params(self) -> tuple[Tensor, ...]:
         """The trained parameters among the inputs, in input order."""

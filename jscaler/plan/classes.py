@@ -48,11 +48,7 @@ class DimClasses:
     @classmethod
     def for_graph(cls, graph: Graph) -> DimClasses:
         """The graph's classes, built once per graph (graphs are immutable)."""
-        found = graph.__dict__.get("_dim_classes")
-        if found is None:
-            found = cls(graph)
-            object.__setattr__(graph, "_dim_classes", found)
-        return found
+        return graph.memo((DimClasses.for_graph,), lambda: cls(graph))
 
     def of(self, tensor: int, axis: int) -> tuple[int, int]:
         """The class of a tensor axis (an opaque, comparable key)."""

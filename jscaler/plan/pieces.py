@@ -50,18 +50,18 @@ def _mask(dims, shape, splits, kinds, is_output) -> Mask:
 
 def op_pieces(plan: Plan, op: Op) -> tuple[Piece, ...]:
     """The pieces of every leaf of ``op``'s tree in ``plan`` (cached on the plan)."""
-    cache = plan.__dict__.setdefault("_pieces_cache", {})
-    if op.id in cache:
-        return cache[op.id]
+    return plan.memo((op_pieces, op.id), lambda: _pieces(plan, op))
+
+
+def _pieces(plan: Plan, op: Op) -> tuple[Piece, ...]:
     tree = plan.tree(op.id)
     tensors = plan.pgraph.graph.tensors
     shapes = tuple(None if isinstance(x, Literal) else tensors[x].shape for x in op.inputs)
     masks = _leaf_masks(tree, op.annotation, shapes, tuple(tensors[x].shape for x in op.outputs))
-    cache[op.id] = tuple(
+    return tuple(
         Piece(SubOp(op.id, path), leaf.device, ins, outs)
         for (path, leaf), (ins, outs) in zip(tree.leaves(), masks)
     )
-    return cache[op.id]
 
 
 @functools.lru_cache(maxsize=65536)

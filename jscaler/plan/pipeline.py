@@ -20,8 +20,8 @@ and so its parameters), and the schedule's ``F(s, m, k)`` runs pass k's ops of s
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph, Literal
@@ -74,6 +74,8 @@ class PipelinePlan:
     cuts: tuple[int, ...] | None = None
     whole: tuple[int, ...] = ()
     schedule: Callable | None = None
+    solved: Any = field(default=None, repr=False)  # as Plan's: how a search found it
+    searched: Any = field(default=None, repr=False)
     is_pipeline: ClassVar[bool] = True  # see jscaler.plan.kind.AnyPlan
 
     def __post_init__(self):

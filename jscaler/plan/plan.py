@@ -18,10 +18,11 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
+from jscaler.ir.memo import Memoized
 from jscaler.plan.augment import PlanGraph, augment
 from jscaler.plan.mesh import MeshSpec
 
@@ -153,21 +154,21 @@ class Region:
 
 def graph_fingerprint(graph: Graph) -> str:
     """A stable hash of what a plan depends on: ops, annotations, shapes, param names."""
-    found = graph.__dict__.get("_fingerprint")  # every plan made on a graph asks: once
-    if found is None:
-        h = hashlib.sha256()
-        for o in graph.ops:
-            h.update(f"{o.id}:{o.primitive}:{o.annotation}:{o.path};".encode())
-        for i in graph.inputs:
-            t = graph.tensors[i]
-            h.update(f"{t.role}:{t.name}:{t.shape}:{t.dtype};".encode())
-        found = h.hexdigest()[:16]
-        object.__setattr__(graph, "_fingerprint", found)
-    return found
+    return graph.memo((graph_fingerprint,), lambda: _fingerprint(graph))  # every plan asks
+
+
+def _fingerprint(graph: Graph) -> str:
+    h = hashlib.sha256()
+    for o in graph.ops:
+        h.update(f"{o.id}:{o.primitive}:{o.annotation}:{o.path};".encode())
+    for i in graph.inputs:
+        t = graph.tensors[i]
+        h.update(f"{t.role}:{t.name}:{t.shape}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(Memoized):
     """op-trans / op-assign / op-order decisions for one graph on one mesh.
 
     Build one with :meth:`Plan.create` and the primitives (``op_trans``, ``op_assign``,
@@ -183,6 +184,10 @@ class Plan:
     fingerprint: str = ""
     name: str = ""
     regions: tuple[Region, ...] = ()
+    # how a search found the plan, for --explain (None: not searched): the intra-op ILP's
+    # (problem, solution), the joint search's result; a plan derived from it has neither
+    solved: Any = field(default=None, repr=False)
+    searched: Any = field(default=None, repr=False)
     is_pipeline: ClassVar[bool] = False  # see jscaler.plan.kind.AnyPlan
 
     def __post_init__(self):

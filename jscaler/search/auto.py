@@ -98,8 +98,7 @@ class IntraOp:
         plan = recompute_layers(plan, self.recompute).evolve(name=plan.name)
         if path is not None:
             write_atomically(path, plan.to_json())
-        plan.__dict__["search"] = (problem, sol)  # for explain / the CLI
-        return plan
+        return plan.evolve(solved=(problem, sol))  # for explain / the CLI
 
     def _cache_path(self, graph: Graph, mesh: MeshSpec):
         from jscaler.cost.cluster import get_cluster

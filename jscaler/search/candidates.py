@@ -142,9 +142,8 @@ class StagedILP:
         )(graph, size)  # fmt: skip
         cuts = slice_stages(graph, inner, self.pp, self.microbatches, self.cluster, self.dtype)
         groups = [StageGroup(tuple(range(k * size, (k + 1) * size)), inner) for k in range(self.pp)]
-        plan = PipelinePlan(tuple(groups), name=f"pipeline(pp={self.pp}, {inner.name})", cuts=cuts)
-        plan.__dict__["search"] = inner.__dict__.get("search")
-        return plan
+        name = f"pipeline(pp={self.pp}, {inner.name})"
+        return PipelinePlan(tuple(groups), name=name, cuts=cuts, solved=inner.solved)
 
 
 def builtin_candidates(

@@ -379,7 +379,7 @@ def _evaluate(c: Candidate, m, graph, n, knobs, schedules) -> list[tuple]:
         row = Row(c.name, m, note=f"cannot apply: {reason}", seconds=time.perf_counter() - t0)
         return [(row, None, None)]
     planned = time.perf_counter() - t0
-    solver = plan.__dict__.get("search")
+    solver = plan.solved
     note = ""
     if solver is not None and solver[1].status == "FEASIBLE":
         note = "ILP time limit: its best so far"
@@ -486,8 +486,10 @@ class Auto:
                 f"{min((r.memory for r in result.rows if r.predicted), default=0) / 2**30:.1f}"
                 f" GiB. Use more devices, a smaller batch or more micro-batches"
             )
-        result.plan.__dict__["auto"] = result  # for --explain
-        return result.plan
+        plan = result.plan  # carrying the search, for --explain
+        if plan.is_pipeline:
+            return dataclasses.replace(plan, searched=result)
+        return plan.evolve(searched=result)
 
     def search(self, graph: Graph, n_devices: int) -> SearchResult:
         return search(
