@@ -44,6 +44,11 @@ def walk():
     return walk_public_surface()
 
 
+# the walk (60-90 s) once, not once per xdist worker: its two tests on one worker
+WALKS = pytest.mark.xdist_group("public-surface-walk")
+
+
+@WALKS
 def test_every_primitive_is_ruled_or_refused(walk):
     defined = defined_primitives()
     names = sorted(set(walk.primitives) | set(defined))
@@ -78,14 +83,15 @@ def test_required_primitive_has_a_rule(name):
     assert classify(name).kind in ("rule", "inlined", "composite"), name
 
 
+@WALKS
 def test_rules_hold_on_values(walk):
-    """The first two examples of every walked function, each op's annotation checked on
-    values. An example JAX itself cannot run (a shape it traced but cannot lower) is
-    skipped; an annotation that breaks its promise fails."""
+    """The first example of every walked function, each op's annotation checked on values
+    (5765 promises, 2026-11-27). An example JAX itself cannot run (a shape it traced but
+    cannot lower) is skipped; an annotation that breaks its promise fails."""
     seen: dict[str, int] = {}
     checked, skipped = 0, 0
     for name, fn, args in walk.examples:
-        if seen.get(name, 0) >= 2:
+        if seen.get(name, 0) >= 1:
             continue
         seen[name] = seen.get(name, 0) + 1
         try:
@@ -95,7 +101,7 @@ def test_rules_hold_on_values(walk):
         except Exception:  # noqa: BLE001 - JAX refusing its own traced example
             skipped += 1
     print(f"\n{checked} (op, dim) promises checked on values; {skipped} examples JAX cannot run")
-    assert checked > 3000 and skipped < 40
+    assert checked > 5000 and skipped < 40
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ or recomputed forwards sometimes), or op_order constraints expanded by
 cycle).
 
 New pipelines every run (the seed is in pytest's header; see randomised.py). Per run:
-``JSCALER_RANDOM_PIPELINE_EXAMPLES`` (default 100) on mlp-tiny and
+``JSCALER_RANDOM_PIPELINE_EXAMPLES`` (default 70) on mlp-tiny and
 ``JSCALER_RANDOM_GPT_PIPELINE_EXAMPLES`` (default 10) on gpt-tiny.
 """
 
@@ -35,7 +35,7 @@ from schedules import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble
 from spaces import megatron, zero
 
 EXAMPLES = {
-    "mlp-tiny": examples("JSCALER_RANDOM_PIPELINE_EXAMPLES", 100),
+    "mlp-tiny": examples("JSCALER_RANDOM_PIPELINE_EXAMPLES", 70),
     "gpt-tiny": examples("JSCALER_RANDOM_GPT_PIPELINE_EXAMPLES", 10),
 }
 N_DEVICES = 8

@@ -7,12 +7,12 @@ New plans every run (the seed is in pytest's header; see randomised.py), on mesh
 
 * mlp-tiny: ``JSCALER_HYPOTHESIS_EXAMPLES`` (default 150), every op's splits drawn;
 * gpt-tiny (attention, RoPE, the embedding gather): ``JSCALER_RANDOM_GPT_EXAMPLES``
-  (default 16). Each mesh level splits one dim class drawn at random and up to 4 ops
+  (default 12). Each mesh level splits one dim class drawn at random and up to 4 ops
   draw their own: a plan drawing every one of its 435 ops' splits changes layout at
   almost every op, and XLA's SPMD partitioner, unable to go between most pairs of those
   layouts with one collective, replicates and re-partitions the tensor each time
   ("involuntary full rematerialization"): 60-250 s of compile for one plan;
-* convnet-tiny: ``JSCALER_RANDOM_CONVNET_EXAMPLES`` (default 60), in a process of its own.
+* convnet-tiny: ``JSCALER_RANDOM_CONVNET_EXAMPLES`` (default 30), in a process of its own.
 """
 
 import functools
@@ -43,8 +43,8 @@ from jscaler.runtime.reference import reference_steps
 
 EXAMPLES = {
     "mlp-tiny": examples("JSCALER_HYPOTHESIS_EXAMPLES", 150),
-    "gpt-tiny": examples("JSCALER_RANDOM_GPT_EXAMPLES", 16),
-    "convnet-tiny": examples("JSCALER_RANDOM_CONVNET_EXAMPLES", 60),
+    "gpt-tiny": examples("JSCALER_RANDOM_GPT_EXAMPLES", 12),
+    "convnet-tiny": examples("JSCALER_RANDOM_CONVNET_EXAMPLES", 30),
 }
 # ops drawing their own splits (None: all of them); the rest split along a class per level
 OWN_OPS = {"mlp-tiny": None, "convnet-tiny": None, "gpt-tiny": 4}
