@@ -231,7 +231,7 @@ def test_convnet_in_a_fresh_process():
     import sys
 
     env = {**os.environ, "JSCALER_RANDOM_PLANS_CONVNET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
            "--hypothesis-show-statistics", __file__,
            "-k", "test_random_plans_on_convnet_tiny"]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
