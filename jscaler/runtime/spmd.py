@@ -169,21 +169,22 @@ class SpmdProgram:
         return self._step.lower(*args).compile()
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
-        b = self.put_batch(batch)
-        params, opt, model_state, loss, gnorm, done = self._step(
-            state.params, state.opt_state, state.model_state, b
-        )
-        loss, gnorm, done = float(loss), float(gnorm), bool(done)  # not done: the old arrays
-        new = TrainState(params, opt, model_state, state.step + done)
-        return new, {"loss": loss, "grad_norm": gnorm}
+        new, metrics, _ = self._run_step(self._step, state, batch)
+        return new, metrics
 
     def step_and_grads(self, state: TrainState, batch):
+        new, metrics, (grads,) = self._run_step(self._step_and_grads, state, batch)
+        return new, metrics, [gather(g) for g in grads]
+
+    def _run_step(self, jitted, state: TrainState, batch):
+        """``jitted`` (the step, or the step returning its gradients too) on ``state``:
+        the next state, the metrics and what else it returned."""
         b = self.put_batch(batch)
-        *out, grads = self._step_and_grads(state.params, state.opt_state, state.model_state, b)
-        params, opt, model_state, loss, gnorm, done = out
-        loss, gnorm, done = float(loss), float(gnorm), bool(done)
+        out = jitted(state.params, state.opt_state, state.model_state, b)
+        (params, opt, model_state, loss, gnorm, done), extra = out[:6], out[6:]
+        loss, gnorm, done = float(loss), float(gnorm), bool(done)  # not done: the old arrays
         new = TrainState(params, opt, model_state, state.step + done)
-        return new, {"loss": loss, "grad_norm": gnorm}, [gather(g) for g in grads]
+        return new, {"loss": loss, "grad_norm": gnorm}, extra
 
     def value_and_grad(self, state: TrainState, batch) -> tuple[float, list]:
         loss, grads = self._grad(state.params, state.model_state, self.put_batch(batch))

@@ -95,10 +95,11 @@ class IntraOp:
         sol = solve(problem, time_limit=self.time_limit)
         shape = ", ".join(f"{a}={s}" for a, s in mesh.axes)
         plan = to_plan(problem, sol, name=f"intra_op({shape})")
-        plan = recompute_layers(plan, self.recompute).evolve(name=plan.name)
+        # solved: for explain and the CLI (not written: a plan loaded from the file has none)
+        plan = recompute_layers(plan, self.recompute).evolve(name=plan.name, solved=(problem, sol))
         if path is not None:
             write_atomically(path, plan.to_json())
-        return plan.evolve(solved=(problem, sol))  # for explain / the CLI
+        return plan
 
     def _cache_path(self, graph: Graph, mesh: MeshSpec):
         from jscaler.cost.cluster import get_cluster
