@@ -16,18 +16,24 @@ NVIDIA GPUs from Ampere on is TF32 unless ``jax_default_matmul_precision`` says 
 
 One device, so no collectives: data parallelism at one device (``dp``), with and without
 bf16 compute (``precision="bf16"``) and recomputation, on GPTs from 21M to 1.3B
-parameters, and the dropless mixture of experts, whose ``ragged_dot`` is a grouped matrix
-product on a GPU (``Cluster.native_ragged_dot``). ``--small``: test-sized models (a check
-of the benchmark itself on any machine).
+parameters, the dropless mixture of experts, whose ``ragged_dot`` is a grouped matrix
+product on a GPU (``Cluster.native_ragged_dot``), and three Hugging Face Flax models
+nobody here wrote (GPT-2 small, a 12-layer Llama of width 1024, BERT-base; float32).
+Two cases repeat a step at batch 1: what a step costs beyond its per-sample work. Each
+row also counts the kernels the compiled step launches (:func:`launches`). ``--small``:
+test-sized models (a check of the benchmark itself on any machine).
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import optax
+
+from bench.plain_models import SMALL, Size
 
 # name, model, global batch, plan
 CASES = [
@@ -37,12 +43,45 @@ CASES = [
     ("gpt-350m", "gpt-350m", 8, 'dp(recompute=1, precision="bf16")'),
     ("moe-small-dropless", "moe-small-dropless", 16, 'dp(precision="bf16")'),
     ("gpt-1.3b", "gpt-1.3b", 4, 'dp(precision="bf16")'),
+    # Hugging Face Flax models (transformers 4.x) at their base sizes, float32 compute
+    ("hf-gpt2", "hf-gpt2-small", 8, "dp"),
+    ("hf-llama", "hf-llama-350m", 8, "dp"),
+    ("hf-bert", "hf-bert-base", 16, "dp"),
+    # the same step at a smaller batch: what a step costs that is not per sample
+    ("gpt-small", "gpt-small", 1, "dp"),
+    ("hf-gpt2", "hf-gpt2-small", 1, "dp"),
 ]
 SMALL_CASES = [
     ("gpt-tiny", "gpt-tiny", 8, "dp"),
     ("gpt-tiny", "gpt-tiny", 8, "dp(recompute=1)"),
     ("moe-tiny-dropless", "moe-tiny-dropless", 8, "dp"),
+    ("hf-gpt2", "hf-gpt2-tiny", 8, "dp"),
 ]
+
+
+# the Hugging Face cases' shapes (the batch is the case's)
+HF_SIZES = {
+    "small": Size(d=768, layers=12, heads=12, seq=1024, vocab=50257),  # GPT-2 small
+    "350m": Size(d=1024, layers=12, heads=16, seq=1024, vocab=32000),
+    "base": Size(d=768, layers=12, heads=12, seq=512, vocab=30522),  # BERT-base
+    "tiny": SMALL,
+}
+
+
+def launches(hlo: str) -> int:
+    """Kernels a compiled program launches: the instructions of its HLO module's entry
+    computation that run on the device (fusions, library calls, copies), not the ones that
+    only name buffers (parameters, tuples, their elements, constants, bitcasts)."""
+    entry = hlo[hlo.index("\nENTRY ") :]
+    entry = entry[: entry.index("\n}")]
+    ops = re.findall(r"=\s*\S+\s+([a-z][a-z0-9-]*)\(", entry)
+    return sum(op not in _NAMES_ONLY for op in ops)
+
+
+_NAMES_ONLY = {
+    "parameter", "get-tuple-element", "tuple", "constant", "bitcast", "opt-barrier",
+    "after-all", "partition-id", "replica-id",
+}  # fmt: skip
 
 
 @dataclass
@@ -57,6 +96,7 @@ class Row:
     predicted_mfu: float
     memory_mb: float
     predicted_mb: float
+    launches: int  # kernels the compiled step launches (its HLO entry's instructions)
 
     @property
     def time_error(self) -> float:
@@ -100,9 +140,20 @@ def matmul_roof(dtype: str, n: int = 8192, reps: int = 10) -> float:
 
 
 def load(name: str, batch: int):
-    """``(model, loss, batch)`` of a case's model: a registered one, or ``gpt-350m`` (24
-    layers of width 1024, sequence 1024, GPT-2 medium's shape with Llama's blocks)."""
+    """``(model, loss, batch)`` of a case's model: a registered one, ``gpt-350m`` (24
+    layers of width 1024, sequence 1024, GPT-2 medium's shape with Llama's blocks), or a
+    Hugging Face one of :data:`HF_SIZES` (random init, a params pytree)."""
     import models
+
+    if name.startswith("hf-"):
+        from dataclasses import replace
+
+        from bench import plain_models as pm
+
+        family, size = name.rsplit("-", 1)
+        build = {"hf-gpt2": pm.hf_gpt2, "hf-llama": pm.hf_llama, "hf-bert": pm.hf_bert}[family]
+        bm = build(replace(HF_SIZES[size], batch=batch))
+        return bm.make(), bm.loss, bm.batch
 
     if name == "gpt-350m":
         from flax import nnx
@@ -131,6 +182,7 @@ def measure(model: str, batch: int, expr: str, cluster: str, steps: int) -> Row:
     compiled = trainer.compiled(data)
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
+    kernels = launches(compiled.as_text())
     peak = (
         mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
         + mem.temp_size_in_bytes
@@ -148,7 +200,7 @@ def measure(model: str, batch: int, expr: str, cluster: str, steps: int) -> Row:
     return Row(
         model, expr, batch, compile_s, step_s * 1e3, est.step_time * 1e3,
         est.model_flops / (step_s * est.peak), est.mfu, peak / 1e6,
-        est.memory["total"] / 1e6,
+        est.memory["total"] / 1e6, kernels,
     )  # fmt: skip
 
 
@@ -157,14 +209,14 @@ def table(rows: list[Row]) -> list[str]:
 
     cols = [
         "model", "plan", "batch", "compile s", "step ms", "predicted", "error", "MFU",
-        "predicted MFU", "memory MB", "predicted", "error",
+        "predicted MFU", "memory MB", "predicted", "error", "kernels",
     ]  # fmt: skip
     data = [
         [
             r.model, r.plan, str(r.batch), f"{r.compile_s:.1f}", f"{r.step_ms:.2f}",
             f"{r.predicted_ms:.2f}", f"{r.time_error:+.0%}", f"{r.mfu:.1%}",
             f"{r.predicted_mfu:.1%}", f"{r.memory_mb:.0f}", f"{r.predicted_mb:.0f}",
-            f"{r.memory_error:+.0%}",
+            f"{r.memory_error:+.0%}", str(r.launches),
         ]
         for r in rows
     ]  # fmt: skip

@@ -4,8 +4,10 @@
   (1/n per split level, 1 per replicate level), forward once, backward twice for
   contractions (input and weight gradients) and once for other differentiable ops, again
   forward when recomputed. Its time is the roofline ``max(flops / (peak * efficiency),
-  bytes / memory bandwidth)``, bytes being the op's inputs and outputs scaled the same way.
-  A device's compute time is the sum over its sub-ops; the step takes the slowest device.
+  bytes / memory bandwidth)``, bytes being the op's inputs and outputs scaled the same way,
+  plus ``Cluster.kernel_seconds`` per kernel it launches (a GPU's per-kernel cost; see
+  :func:`jscaler.cost.fusion.kernels`). A device's compute time is the sum over its
+  sub-ops; the step takes the slowest device.
   A ``ragged_dot`` split along its groups (the experts of a dropless MoE over ``ep``)
   does work in proportion to its groups' rows, which the router decides: its pieces are
   charged ``expert_skew`` times their even share (the busiest device's rows over the
@@ -36,8 +38,9 @@
   forward FLOPs as in PaLM's appendix B) over step time x devices x peak; HFU counts the
   recomputed forward too.
 
-The estimate is an order-of-magnitude model, not a profiler: it ignores kernel launch
-overheads, fusion, XLA's rematerialisation and buffer reuse. ``tests/test_cost.py`` and
+The estimate is an order-of-magnitude model, not a profiler: beyond the fusion and
+per-kernel cost of the GPU presets, it ignores XLA's scheduling, rematerialisation and
+buffer reuse. ``tests/test_cost.py`` and
 ``jscaler bench cost`` compare it against XLA's ``memory_analysis()`` and compiled HLO.
 """
 
@@ -55,7 +58,7 @@ from jscaler.compile.lower import lower
 from jscaler.compile.reshard import reshard_units
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import Combined, collective_time
-from jscaler.cost.fusion import fused_kept, fused_op_bytes
+from jscaler.cost.fusion import fused_kept, fused_op_bytes, kernels
 from jscaler.cost.precision import compute_roofs, row_scale, state_scale, value_scale
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Literal
@@ -385,6 +388,7 @@ def _device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed, expert
     out = {}
     scale = value_scale(dtype, g)
     moved = fused_op_bytes(g) if cl.fuses_elementwise else _op_bytes(g)
+    launched = kernels(g, cl.fuses_elementwise)
     shares: dict = {}  # tree -> ((device, share), ...): repeated layers share trees
     for op in g.ops:
         backward = _backward_multiple(op, needs, recomputed)
@@ -401,8 +405,9 @@ def _device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed, expert
                 for path, leaf in tree.leaves()
             )
         f, b = {}, {}
+        launch = launched[op.id] * cl.kernel_seconds  # per piece: each is a kernel
         for dev, share in per:
-            t = _piece_seconds(op, share, nbytes, roofs[op.id], cl.memory_bandwidth)
+            t = _piece_seconds(op, share, nbytes, roofs[op.id], cl.memory_bandwidth) + launch
             f[dev] = f.get(dev, 0.0) + t
             b[dev] = b.get(dev, 0.0) + t * backward
         out[op.id] = (f, b)
@@ -413,25 +418,29 @@ def _device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed, expert
         b = {}
         for path, leaf in tree.leaves():
             dev = leaf.device if leaf.device is not None else default
-            b[dev] = b.get(dev, 0.0) + nbytes * _share(tree, path) / cl.memory_bandwidth
+            t = nbytes * _share(tree, path) / cl.memory_bandwidth + cl.kernel_seconds
+            b[dev] = b.get(dev, 0.0) + t
         out[vop.id] = ({}, b)
     return out
 
 
 def roofline_seconds(g, cluster: str | Cluster, dtype: str, recomputed=frozenset()) -> float:
     """The least device-seconds one forward and backward of ``g`` takes on ``cluster``
-    under any plan: each op's roofline time at its whole size, as :func:`device_times`
-    charges its pieces (a piece costs its share of the op, and the shares of a split or
-    replicated op add up to at least one), the ops in ``recomputed`` run forward again.
+    under any plan: each op's roofline time at its whole size and its kernel's
+    ``kernel_seconds``, as :func:`device_times` charges its pieces (a piece costs its
+    share of the op, and the shares of a split or replicated op add up to at least one;
+    each piece is a kernel), the ops in ``recomputed`` run forward again.
     Divided by the devices, a lower bound on any plan's compute per micro-batch."""
     cl = get_cluster(cluster)
     roofs = compute_roofs(g, cl, dtype)
     scale = value_scale(dtype, g)
     moved = fused_op_bytes(g) if cl.fuses_elementwise else _op_bytes(g)
+    launched = kernels(g, cl.fuses_elementwise)
     needs = needs_grad(g)
     total = 0.0
     for op in g.ops:
         t = _piece_seconds(op, 1.0, scale * moved[op.id], roofs[op.id], cl.memory_bandwidth)
+        t += launched[op.id] * cl.kernel_seconds
         total += t * (1.0 + _backward_multiple(op, needs, recomputed))
     return total
 

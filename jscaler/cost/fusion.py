@@ -11,7 +11,15 @@ import jax.numpy as jnp
 from jscaler.ir.graph import Literal
 from jscaler.ir.rules_elementwise import BINARY, TERNARY, UNARY
 
-__all__ = ["FUSIBLE", "FUSION_ROOTS", "fused_kept", "fused_op_bytes", "materialised"]
+__all__ = [
+    "FUSIBLE",
+    "FUSION_ROOTS",
+    "VIEWS",
+    "fused_kept",
+    "fused_op_bytes",
+    "kernels",
+    "materialised",
+]
 
 # what a fusing backend (XLA's GPU one) fuses into one kernel: elementwise ops, their
 # broadcasts and reshapes, with a reduction as the fusion's root (an input fusion)
@@ -20,6 +28,8 @@ FUSIBLE = {
     "iota", "transpose",
 }  # fmt: skip
 FUSION_ROOTS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+# ops XLA compiles to a bitcast of their input's buffer: no kernel of their own
+VIEWS = {"reshape", "squeeze", "expand_dims"}
 
 
 def materialised(g) -> frozenset[int]:
@@ -46,6 +56,25 @@ def materialised(g) -> frozenset[int]:
         return frozenset(found)
 
     return g.memo((materialised,), make)
+
+
+def kernels(g, fuses: bool) -> dict[int, int]:
+    """op id -> kernels its forward launches (once per graph and backend): none for a
+    view, or on a fusing backend for an op fused into its readers' kernel; one for any
+    other op, which on a fusing backend is the root of its fused chain (an op with a
+    :func:`materialised` output: a matmul, a gather, a chain's end). Its backward launches
+    as many per forward as it costs forwards of time (two matmuls for a matmul's)."""
+
+    def make() -> dict[int, int]:
+        done = materialised(g) if fuses else None
+        return {
+            op.id: int(
+                op.primitive not in VIEWS and (done is None or any(t in done for t in op.outputs))
+            )
+            for op in g.ops
+        }
+
+    return g.memo((kernels, fuses), make)
 
 
 def fused_op_bytes(g) -> dict[int, int]:
