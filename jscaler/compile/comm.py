@@ -222,7 +222,10 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
                     add(phase, kind, t, op.path, ax, nbytes, times)
 
     # ---- backward: partial cotangents reduced towards the producer's layout ----------
-    needs = _differentiable(g)
+    # a cotangent is reduced only where a gradient flows: not through a recycling pass
+    # under stop_gradient, nor into integer values
+    inexact = lambda t: jnp.issubdtype(jnp.dtype(g.tensors[t].dtype), jnp.inexact)  # noqa: E731
+    needs = {t for t in needs_grad(g) if inexact(t)}
     grad_target = {t: lowered.grad[t] for t in lowered.grad}
     region_seen: dict[int, set] = {}
     for op in g.ops:
@@ -289,17 +292,24 @@ def _region_rows(region, lowered, producer_layout, add, info, m) -> Layout:
     return lays[att.out]
 
 
-def _differentiable(g) -> set[int]:
-    """Tensors whose gradient the backward pass computes: floats downstream of a param."""
-    needs = {t for t in g.inputs if g.tensors[t].role == "param"}
+def needs_grad(g) -> frozenset[int]:
+    """Tensors a gradient flows through: computed from a parameter and reaching the loss
+    along differentiable ops (a recycling pass under ``stop_gradient`` has no backward).
+    Once per graph: every estimate and search problem asks."""
+    return g.memo((needs_grad,), lambda: _needs_grad(g))
+
+
+def _needs_grad(g) -> frozenset[int]:
+    params = {p.id for p in g.params()}
+    down = set(params)
     for op in g.ops:
-        if op.primitive in NON_DIFFERENTIABLE:
-            continue
-        if any(not isinstance(x, Literal) and x in needs for x in op.inputs):
-            for t in op.outputs:
-                if jnp.issubdtype(jnp.dtype(g.tensors[t].dtype), jnp.inexact):
-                    needs.add(t)
-    return needs
+        if op.primitive not in NON_DIFFERENTIABLE and any(t in down for t in op.tensor_inputs):
+            down.update(op.outputs)
+    up = {t for t in g.outputs if not isinstance(t, Literal)}
+    for op in reversed(g.ops):
+        if op.primitive not in NON_DIFFERENTIABLE and any(t in up for t in op.outputs):
+            up.update(op.tensor_inputs)
+    return frozenset(down & up)
 
 
 REMADE = ("broadcast_in_dim", "iota")

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 
-from jscaler.compile.comm import NON_DIFFERENTIABLE, comm_table, from_params_only
+from jscaler.compile.comm import NON_DIFFERENTIABLE, comm_table, from_params_only, needs_grad
 from jscaler.compile.layout import Layout
 from jscaler.compile.lower import lower
 from jscaler.compile.reshard import reshard_units
@@ -513,26 +513,6 @@ def _busiest(tree, path, dim, skew: float) -> float:
             ways *= len(node.children)
         node = node.children[i]
     return min(skew, ways)
-
-
-def needs_grad(g) -> frozenset[int]:
-    """Tensors a gradient flows through: computed from a parameter and reaching the loss
-    along differentiable ops (a recycling pass under ``stop_gradient`` has no backward).
-    Once per graph: every estimate and search problem asks."""
-    return g.memo((needs_grad,), lambda: _needs_grad(g))
-
-
-def _needs_grad(g) -> frozenset[int]:
-    params = {p.id for p in g.params()}
-    down = set(params)
-    for op in g.ops:
-        if op.primitive not in NON_DIFFERENTIABLE and any(t in down for t in op.tensor_inputs):
-            down.update(op.outputs)
-    up = {t for t in g.outputs if not isinstance(t, Literal)}
-    for op in reversed(g.ops):
-        if op.primitive not in NON_DIFFERENTIABLE and any(t in up for t in op.outputs):
-            up.update(op.tensor_inputs)
-    return frozenset(down & up)
 
 
 def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float = 1.0) -> dict:
