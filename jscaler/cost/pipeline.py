@@ -46,6 +46,7 @@ from jscaler.cost.estimate import (
     recomputed_ops,
     reduced_bytes,
     saved_for_backward,
+    shared_params,
     unreduced_grad,
     working_set,
 )
@@ -372,6 +373,14 @@ def _group_memory(
     grads = sum(size(t, unreduced_grad(low, t)) + reduced_bytes(low, t, cl) for t in params)
     if sched.microbatches > 1:
         grads += sum(size(t, low.grad[t]) for t in params)
+    # a parameter read by several of the group's ops (T5's embedding: both lookups and
+    # the tied LM head) has each reader's gradient contribution and their sum live, as in
+    # one SPMD step (estimate.shared_params)
+    mine_ids = {o.id for o in mine}
+    for t in shared_params(g):
+        here = sum(o.id in mine_ids for o in g.consumers(t)) if t in params else 0
+        if here > 1:
+            grads += 2 * (here - 1) * size(t, unreduced_grad(low, t))
     opt = 0.0
     batch = sum(
         size(t, low.storage[t]) for t in g.inputs if g.tensors[t].role == "batch" and t in read
