@@ -87,8 +87,7 @@ def load(name: str):
     if name.startswith("hf-"):
         from bench import plain_models as pm
 
-        build = {"hf-gpt2": pm.hf_gpt2, "hf-llama": pm.hf_llama, "hf-bert": pm.hf_bert}[name]
-        bm = build(pm.SMALL)
+        bm = pm.HF_MODELS[name](pm.SMALL)
         return bm.make(), bm.loss, bm.batch
     import models
 

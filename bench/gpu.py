@@ -151,8 +151,7 @@ def load(name: str, batch: int):
         from bench import plain_models as pm
 
         family, size = name.rsplit("-", 1)
-        build = {"hf-gpt2": pm.hf_gpt2, "hf-llama": pm.hf_llama, "hf-bert": pm.hf_bert}[family]
-        bm = build(replace(HF_SIZES[size], batch=batch))
+        bm = pm.HF_MODELS[family](replace(HF_SIZES[size], batch=batch))
         return bm.make(), bm.loss, bm.batch
 
     if name == "gpt-350m":

@@ -365,6 +365,9 @@ def registered_swin(small: bool) -> BenchModel:
     return registered("swin-tiny", "swin", SWIN_RULES, 8 if small else 32)
 
 
+# the Hugging Face models by name, each taking its Size
+HF_MODELS = {"hf-gpt2": hf_gpt2, "hf-llama": hf_llama, "hf-bert": hf_bert}
+
 BUILDERS = {
     "gpt-fused": lambda small: gpt_fused(SMALL if small else Size()),
     "hf-gpt2": lambda small: hf_gpt2(SMALL if small else HF),

@@ -224,8 +224,7 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
     # ---- backward: partial cotangents reduced towards the producer's layout ----------
     # a cotangent is reduced only where a gradient flows: not through a recycling pass
     # under stop_gradient, nor into integer values
-    inexact = lambda t: jnp.issubdtype(jnp.dtype(g.tensors[t].dtype), jnp.inexact)  # noqa: E731
-    needs = {t for t in needs_grad(g) if inexact(t)}
+    needs = {t for t in needs_grad(g) if jnp.issubdtype(jnp.dtype(g.tensors[t].dtype), jnp.inexact)}
     grad_target = {t: lowered.grad[t] for t in lowered.grad}
     region_seen: dict[int, set] = {}
     for op in g.ops:

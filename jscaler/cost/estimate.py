@@ -548,14 +548,14 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float =
         acts = scale * _dense_ragged_peak(low, g, kept, work)
     reduced = state * sum(reduced_bytes(low, t, cl) for t in low.grad)
     reduced += state * sum(
-        2 * (readers - 1) * size(t, unreduced_grad(low, t))
+        2 * (len(readers) - 1) * size(t, unreduced_grad(low, t))
         for t, readers in shared_params(g).items()
         if t in low.grad
     )
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
 
 
-def shared_params(g) -> dict[int, int]:
+def shared_params(g) -> dict[int, tuple]:
     """parameter -> the ops that read it, for those read by more than one (a tied
     embedding: the lookup and the LM head). Each reader's backward makes a gradient
     contribution of the parameter's size (a lookup's scatter-add into zeros, a matmul's
@@ -569,7 +569,7 @@ def shared_params(g) -> dict[int, int]:
         if len(readers) == 1 and readers[0].kind == "identity":  # a ZeRO-3 gather's
             readers = g.consumers(readers[0].outputs[0])
         if len(readers) > 1:
-            out[p.id] = len(readers)
+            out[p.id] = tuple(readers)
     return out
 
 

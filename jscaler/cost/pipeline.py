@@ -377,9 +377,9 @@ def _group_memory(
     # the tied LM head) has each reader's gradient contribution and their sum live, as in
     # one SPMD step (estimate.shared_params)
     mine_ids = {o.id for o in mine}
-    for t in shared_params(g):
-        here = sum(o.id in mine_ids for o in g.consumers(t)) if t in params else 0
-        if here > 1:
+    for t, readers in shared_params(g).items():
+        here = sum(o.id in mine_ids for o in readers)
+        if t in params and here > 1:
             grads += 2 * (here - 1) * size(t, unreduced_grad(low, t))
     opt = 0.0
     batch = sum(
