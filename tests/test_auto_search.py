@@ -18,6 +18,7 @@ from jscaler.search import (
     build_problem,
     fits_at_all,
     intra_op,
+    least_memory,
     search,
     shared_solves,
     solve,
@@ -200,6 +201,26 @@ def test_memory_prunes_and_decides(tmp_path, monkeypatch):
     assert any(r.note.startswith("pruned: model state") for r in none.rows)
     with pytest.raises(jscaler.PlanError, match="no candidate fits"):
         jscaler.search.auto(CLUSTER, capacity=1e3, cache=False)(graph, N)
+
+
+def test_a_space_that_finds_nothing_fits_tries_more_microbatches(tmp_path, monkeypatch):
+    """The ILP raises OutOfMemoryError where no strategy choice fits one micro-batch's
+    activations; the search goes on to two micro-batches, where one fits."""
+    monkeypatch.setenv("JSCALER_CACHE_DIR", str(tmp_path))
+    mesh = jscaler.MeshSpec.create(d=N)
+    one, two = (build_problem(graph_of("gpt-tiny", m), mesh, CLUSTER) for m in (1, 2))
+    capacity = least_memory(two.memory) * 1.05
+    assert least_memory(one.memory) > capacity
+    ilp = Candidate("ilp", intra_op({"d": N}, CLUSTER, cache=False), state_shards=N)
+    result = search(
+        functools.partial(graph_of, "gpt-tiny"), N, cluster=CLUSTER, capacity=capacity,
+        microbatches=(1, 2), candidates=(ilp,), builtin=False, registered=False, cache=False,
+    )  # fmt: skip
+    first, second = sorted(result.rows, key=lambda r: r.microbatches)
+    assert first.note.startswith("does not fit: no plan on mesh d=8 fits")
+    assert second.fits and result.best is second
+    with pytest.raises(jscaler.OutOfMemoryError):
+        intra_op({"d": N}, CLUSTER, capacity, cache=False)(graph_of("gpt-tiny", 1), N)
 
 
 def test_a_time_limit_returns_the_best_so_far_and_says_so():

@@ -3,11 +3,12 @@
 The model is Alpa's: a boolean ``x[c, s]`` per cluster and strategy (exactly one per
 cluster), a boolean ``e[a, b, i, j]`` per edge and strategy pair, linked to the ``x`` by
 ``sum_j e[a, b, i, j] = x[a, i]`` and ``sum_i e[a, b, i, j] = x[b, j]``; minimise
-``sum node * x + sum edge * e`` (integer nanoseconds) under ``sum memory * x <=
-capacity``. CP-SAT runs with one worker, a fixed seed and a deterministic-time limit, so
-every host derives the same plan; when it proves nothing in time, the best solution
-found is used, and with none, the greedy choice (each cluster's cheapest strategy, or
-its leanest when the cheapest do not fit).
+``sum node * x + sum edge * e`` (integer nanoseconds) under ``sum memory * x + w <=
+capacity``, ``w`` at least each recomputed layer's ``sum peak * x``. CP-SAT runs with
+one worker, a fixed seed and a deterministic-time limit, so every host derives the same
+plan; when it proves nothing in time, the best solution found is used, and with none,
+the greedy choice (each cluster's cheapest strategy, or its leanest when the cheapest do
+not fit).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
     from ortools.sat.python import cp_model
 
     start = time.perf_counter()
-    if p.capacity is not None and not fits_at_all(p.memory, p.capacity):
-        raise no_fit(p.mesh, p.capacity, p.memory)  # what CP-SAT finds, without building it
+    if p.capacity is not None and not fits_at_all(p.memory, p.capacity, p.peaks):
+        # what CP-SAT finds, without building it
+        raise no_fit(p.mesh, p.capacity, p.memory, p.peaks)
     m = cp_model.CpModel()
     x = [[m.new_bool_var(f"x{c}_{s}") for s in range(len(st))] for c, st in enumerate(p.strategies)]
     for row in x:
@@ -60,14 +62,21 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
         for j in range(len(x[b])):
             m.add(sum(e[i, j] for i in range(len(x[a]))) == x[b][j])
     if p.capacity is not None:
-        m.add(
-            sum(
-                round(p.memory[c][s] / KB) * x[c][s]
-                for c in range(len(x))
-                for s in range(len(x[c]))
-            )
-            <= int(p.capacity // KB)
+        cap = int(p.capacity // KB)
+        kept = sum(
+            round(p.memory[c][s] / KB) * x[c][s] for c in range(len(x)) for s in range(len(x[c]))
         )
+        if p.peaks:  # the largest recomputed layer's backward, beside what is kept
+            w = m.new_int_var(0, cap, "peak")
+            for pk in p.peaks:
+                m.add(
+                    w
+                    >= sum(
+                        round(b / KB) * x[c][s] for c, row in pk.items() for s, b in enumerate(row)
+                    )
+                )
+            kept += w
+        m.add(kept <= cap)
     # gradient reductions hide behind the backward compute: z >= hidden - backward, z >= 0
     idx = [(c, s) for c in range(len(x)) for s in range(len(x[c]))]
     hidden = sum(round(p.hidden[c][s] * NS) * x[c][s] for c, s in idx)
@@ -87,7 +96,7 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
         secs, mem = objective(p, list(choice))
         return Solution(choice, secs, mem, solver.status_name(status), wall)
     if status == cp_model.INFEASIBLE:
-        raise no_fit(p.mesh, p.capacity, p.memory)
+        raise no_fit(p.mesh, p.capacity, p.memory, p.peaks)
     choice = _greedy(p)
     secs, mem = objective(p, list(choice))
     return Solution(choice, secs, mem, "GREEDY", wall)
@@ -102,8 +111,12 @@ def _greedy(p: Problem) -> tuple[int, ...]:
     )
     if p.capacity is None or objective(p, list(fast))[1] <= p.capacity:
         return fast
+    peak = [[0.0] * len(row) for row in p.memory]  # every layer's peak: an upper bound
+    for pk in p.peaks:
+        for c, row in pk.items():
+            peak[c] = [u + v for u, v in zip(peak[c], row)]
     return tuple(
-        min(range(len(row)), key=lambda s, c=c: (row[s], p.node[c][s], s))
+        min(range(len(row)), key=lambda s, c=c: (row[s] + peak[c][s], p.node[c][s], s))
         for c, row in enumerate(p.memory)
     )
 

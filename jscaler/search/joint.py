@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.estimate import Estimate, check_expert_skew, estimate, roofline_seconds
 from jscaler.cost.pipeline import estimate_pipeline, shared_costs
-from jscaler.errors import JscalerError, PlanError
+from jscaler.errors import JscalerError, OutOfMemoryError, PlanError
 from jscaler.ir.graph import Graph
 from jscaler.plan.helpers import recomputed_layers
 from jscaler.plan.kind import AnyPlan
@@ -61,6 +61,7 @@ from jscaler.search.candidates import (
 __all__ = ["Auto", "Row", "SearchResult", "auto", "search"]
 
 ONE_F_ONE_B = "1f1b"
+NO_FIT = "does not fit: "  # a row whose space found no plan under the capacity
 
 
 @dataclass(frozen=True)
@@ -358,11 +359,17 @@ def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, st
                         kept = (r, plan_s, est)
             made = [r for r, _, _ in made]
             fits[c.name] = fits.get(c.name, False) or any(r.fits for r in made)
-            if spmd_retry and (fits[c.name] or not any(r.predicted for r in made)):
+            if spmd_retry and (fits[c.name] or not any(_sized(r) for r in made)):
                 break  # an SPMD plan tries more micro-batches only to fit
         if stopped:
             break
     return rows, stopped, kept
+
+
+def _sized(r: Row) -> bool:
+    """Whether the row was too big (predicted over the capacity, or its space found nothing
+    fits): a smaller micro-batch may fit."""
+    return r.predicted or r.note.startswith(NO_FIT)
 
 
 def _pruned_state(state: float, shards: int) -> str:
@@ -374,10 +381,10 @@ def _evaluate(c: Candidate, m, graph, n, knobs, schedules) -> list[tuple]:
     t0 = time.perf_counter()
     try:
         plan = tuned(c.space, microbatches=m, **knobs)(graph, n)
-    except PlanError as e:
-        reason = str(e).split(";")[0][:80]
-        row = Row(c.name, m, note=f"cannot apply: {reason}", seconds=time.perf_counter() - t0)
-        return [(row, None, None)]
+    except PlanError as e:  # a space that finds nothing fits (the ILP): more micro-batches may
+        said = NO_FIT if isinstance(e, OutOfMemoryError) else "cannot apply: "
+        row = Row(c.name, m, note=said + str(e).split(";")[0][:80])
+        return [(dataclasses.replace(row, seconds=time.perf_counter() - t0), None, None)]
     planned = time.perf_counter() - t0
     solver = plan.solved
     note = ""

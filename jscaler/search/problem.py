@@ -16,7 +16,10 @@ strategy per op fixes every tensor's layout on the mesh, hence:
   stored as its first reader reads it and converted for the others;
 * a **memory** per (op, strategy): the activations it keeps for the backward pass and,
   for the first reader of a parameter, the parameter, its gradient and optimizer state in
-  the layout that reader wants (parameters are stored as read).
+  the layout that reader wants (parameters are stored as read);
+* a **peak** per recomputed layer: what its backward holds at once, the values of the
+  layer the backward reads, made again by its recomputed forward (the estimate's working
+  set): a device's memory is the sum of the kept bytes plus the largest layer's peak.
 
 Ops of repeated layers at the same position form one *cluster* sharing a strategy (the
 i-th op of every block), so a model's depth does not grow the problem; a tensor passing
@@ -42,7 +45,7 @@ from jscaler.cost.collective import collective_time
 from jscaler.cost.estimate import CONTRACTIONS, local_bytes, needs_grad, saved_for_backward
 from jscaler.cost.fusion import fused_kept, materialised
 from jscaler.cost.precision import compute_roofs, value_scale
-from jscaler.errors import PlanError
+from jscaler.errors import OutOfMemoryError, PlanError
 from jscaler.ir.graph import Graph, Literal, Op
 from jscaler.plan.helpers import recomputed_layers, shard_dim
 from jscaler.plan.mesh import MeshSpec
@@ -52,6 +55,7 @@ __all__ = [
     "Strategy",
     "build_problem",
     "fits_at_all",
+    "least_memory",
     "no_fit",
     "objective",
 ]
@@ -76,6 +80,8 @@ class Problem:
     edges: dict = field(default_factory=dict)  # (cluster a, cluster b) -> [[seconds]]
     capacity: float | None = None
     zero: list = field(default_factory=list)  # per cluster, per strategy: ZeRO-2 its params
+    # per distinct recomputed layer: {cluster: bytes per strategy} its backward holds at once
+    peaks: list = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -90,6 +96,7 @@ def objective(p: Problem, choice: list[int]) -> tuple[float, float]:
     hidden = sum(p.hidden[c][s] for c, s in enumerate(choice))
     t += max(0.0, hidden - sum(p.backward[c][s] for c, s in enumerate(choice)))
     mem = sum(p.memory[c][s] for c, s in enumerate(choice))
+    mem += max((sum(row[choice[c]] for c, row in pk.items()) for pk in p.peaks), default=0.0)
     return t, mem
 
 
@@ -182,11 +189,11 @@ def build_problem(
     clusters = _cluster_ops(graph)
     where = {o: c for c, ids in enumerate(clusters) for o in ids}
     needs = needs_grad(graph)
-    groups = {
-        o.id: k for k, lay in enumerate(recomputed_layers(graph, recompute)) for o in lay.graph.ops
-    }
+    layers = recomputed_layers(graph, recompute)
+    groups = {o.id: k for k, lay in enumerate(layers) for o in lay.graph.ops}
     recomputed = set(groups)
     saved = saved_for_backward(graph, groups)
+    whole = saved_for_backward(graph) if layers else set()  # what a recomputed layer remakes
     moves = None  # every tensor an op reads or writes moves through memory
     if cl.fuses_elementwise:  # as the estimate: only materialised ones, and kept
         saved = fused_kept(graph, saved)
@@ -293,8 +300,9 @@ def build_problem(
         zeros.append([z for _, z in strats])
         for k, table in enumerate((node, hidden, backward, memory)):
             table.append([sum(c[k] for c in cs) for cs in costs])
-    if fail_fast and capacity is not None and not fits_at_all(memory, capacity):
-        raise no_fit(mesh, capacity, memory)
+    peaks = _peaks(graph, mesh, layers, clusters, strategies, whole, scale)
+    if fail_fast and capacity is not None and not fits_at_all(memory, capacity, peaks):
+        raise no_fit(mesh, capacity, memory, peaks)
 
     edges: dict[tuple[int, int], list[list[float]]] = {}
     # a conversion's price depends on the tensor's shape and dtype and the two layouts
@@ -343,26 +351,65 @@ def build_problem(
             edges[key] = mat
     return Problem(
         graph, mesh, cl, clusters, strategies, node, hidden, backward, memory, edges, capacity,
-        zeros,
+        zeros, peaks,
     )  # fmt: skip
 
 
-def fits_at_all(memory: list[list[float]], capacity: float) -> bool:
-    """Whether some strategy choice meets the solver's memory constraint, in its units
+def _peaks(graph, mesh, layers, clusters, strategies, whole, scale) -> list[dict]:
+    """Per recomputed layer, {cluster: bytes per strategy} of the values its backward
+    reads (``whole``: what the backward reads with nothing recomputed), as the estimate's
+    working set counts them; layers of the same shapes give one entry."""
+    where = {o: c for c, ids in enumerate(clusters) for o in ids}
+    ops = {o.id: o for o in graph.ops}
+    sizes = mesh.shape
+    out, seen = [], set()
+    for lay in layers:
+        peak = {}
+        for op in lay.graph.ops:
+            outs = [(k, x) for k, x in enumerate(op.outputs) if x in whole]
+            if not outs:
+                continue
+            c = where[op.id]
+            ann = ops[op.id].annotation
+            row = []
+            for s in strategies[c]:
+                lays = [None] * len(op.outputs)
+                if ann is not None:
+                    lays = [layout(d, s, mesh, ann.kinds, True) for d in ann.outputs]
+                row.append(scale * sum(local_bytes(graph, x, lays[k], sizes) for k, x in outs))
+            peak[c] = row
+        key = tuple(sorted((c, tuple(r)) for c, r in peak.items()))
+        if peak and key not in seen:
+            seen.add(key)
+            out.append(peak)
+    return out
+
+
+def least_memory(memory: list[list[float]], peaks=()) -> float:
+    """No strategy choice needs less (bytes): every cluster's leanest strategy, and the
+    largest recomputed layer's leanest peak."""
+    peak = max((sum(min(r) for r in pk.values()) for pk in peaks), default=0.0)
+    return sum(min(row) for row in memory) + peak
+
+
+def fits_at_all(memory: list[list[float]], capacity: float, peaks=()) -> bool:
+    """Whether some strategy choice may meet the solver's memory constraint, in its units
     (each cluster's bytes rounded to KiB, the capacity's KiB rounded down): the clusters'
-    leanest strategies together."""
-    return sum(min(round(b / KB) for b in row) for row in memory) <= int(capacity // KB)
+    leanest strategies together, with the largest recomputed layer's leanest peak (exact
+    without recompute; a lower bound with it, where the solver may still find none)."""
+    peak = max((sum(min(round(b / KB) for b in r) for r in pk.values()) for pk in peaks), default=0)
+    return sum(min(round(b / KB) for b in row) for row in memory) + peak <= int(capacity // KB)
 
 
-def no_fit(mesh: MeshSpec, capacity: float, memory: list[list[float]]) -> PlanError:
+def no_fit(mesh: MeshSpec, capacity: float, memory: list[list[float]], peaks=()) -> PlanError:
     """The error of a problem no strategy choice fits (``memory``: bytes per cluster
-    and strategy)."""
-    least = sum(min(row) for row in memory)
-    return PlanError(
-        f"no plan on mesh {mesh} fits {capacity / 2**30:.2f} GiB per device: the "
-        f"least memory any strategy choice needs is {least / 2**30:.2f} GiB (activations "
-        f"kept for the backward pass and parameter state); add devices, recompute, or "
-        f"use pipeline stages"
+    and strategy; ``peaks``: the recomputed layers' :attr:`Problem.peaks`)."""
+    least = least_memory(memory, peaks)
+    return OutOfMemoryError(
+        f"no plan on mesh {mesh} fits {capacity / 2**30:.2f} GiB per device: every "
+        f"strategy choice needs {least / 2**30:.2f} GiB or more (activations kept for the "
+        f"backward pass, a recomputed layer's while its backward runs, and parameter "
+        f"state); add devices, recompute, or use pipeline stages"
     )
 
 
