@@ -69,12 +69,10 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
         if p.peaks:  # the largest recomputed layer's backward, beside what is kept
             w = m.new_int_var(0, cap, "peak")
             for pk in p.peaks:
-                m.add(
-                    w
-                    >= sum(
-                        round(b / KB) * x[c][s] for c, row in pk.items() for s, b in enumerate(row)
-                    )
+                held = sum(
+                    round(b / KB) * x[c][s] for c, row in pk.items() for s, b in enumerate(row)
                 )
+                m.add(w >= held)
             kept += w
         m.add(kept <= cap)
     # gradient reductions hide behind the backward compute: z >= hidden - backward, z >= 0
