@@ -383,8 +383,8 @@ def _evaluate(c: Candidate, m, graph, n, knobs, schedules) -> list[tuple]:
         plan = tuned(c.space, microbatches=m, **knobs)(graph, n)
     except PlanError as e:  # a space that finds nothing fits (the ILP): more micro-batches may
         said = NO_FIT if isinstance(e, OutOfMemoryError) else "cannot apply: "
-        row = Row(c.name, m, note=said + str(e).split(";")[0][:80])
-        return [(dataclasses.replace(row, seconds=time.perf_counter() - t0), None, None)]
+        note = said + str(e).split(";")[0][:80]
+        return [(Row(c.name, m, note=note, seconds=time.perf_counter() - t0), None, None)]
     planned = time.perf_counter() - t0
     solver = plan.solved
     note = ""

@@ -300,7 +300,7 @@ def build_problem(
         zeros.append([z for _, z in strats])
         for k, table in enumerate((node, hidden, backward, memory)):
             table.append([sum(c[k] for c in cs) for cs in costs])
-    peaks = _peaks(graph, mesh, layers, clusters, strategies, whole, scale)
+    peaks = _peaks(graph, mesh, layers, ops, where, strategies, whole, scale)
     if fail_fast and capacity is not None and not fits_at_all(memory, capacity, peaks):
         raise no_fit(mesh, capacity, memory, peaks)
 
@@ -355,12 +355,11 @@ def build_problem(
     )  # fmt: skip
 
 
-def _peaks(graph, mesh, layers, clusters, strategies, whole, scale) -> list[dict]:
+def _peaks(graph, mesh, layers, ops, where, strategies, whole, scale) -> list[dict]:
     """Per recomputed layer, {cluster: bytes per strategy} of the values its backward
     reads (``whole``: what the backward reads with nothing recomputed), as the estimate's
-    working set counts them; layers of the same shapes give one entry."""
-    where = {o: c for c, ids in enumerate(clusters) for o in ids}
-    ops = {o.id: o for o in graph.ops}
+    working set counts them; layers of the same shapes give one entry. ``ops``: op id ->
+    op; ``where``: op id -> its cluster."""
     sizes = mesh.shape
     out, seen = [], set()
     for lay in layers:
@@ -388,8 +387,7 @@ def _peaks(graph, mesh, layers, clusters, strategies, whole, scale) -> list[dict
 def least_memory(memory: list[list[float]], peaks=()) -> float:
     """No strategy choice needs less (bytes): every cluster's leanest strategy, and the
     largest recomputed layer's leanest peak."""
-    peak = max((sum(min(r) for r in pk.values()) for pk in peaks), default=0.0)
-    return sum(min(row) for row in memory) + peak
+    return _least(memory, peaks, lambda b: b)
 
 
 def fits_at_all(memory: list[list[float]], capacity: float, peaks=()) -> bool:
@@ -397,8 +395,13 @@ def fits_at_all(memory: list[list[float]], capacity: float, peaks=()) -> bool:
     (each cluster's bytes rounded to KiB, the capacity's KiB rounded down): the clusters'
     leanest strategies together, with the largest recomputed layer's leanest peak (exact
     without recompute; a lower bound with it, where the solver may still find none)."""
-    peak = max((sum(min(round(b / KB) for b in r) for r in pk.values()) for pk in peaks), default=0)
-    return sum(min(round(b / KB) for b in row) for row in memory) + peak <= int(capacity // KB)
+    return _least(memory, peaks, lambda b: round(b / KB)) <= int(capacity // KB)
+
+
+def _least(memory, peaks, unit) -> float:
+    """:func:`least_memory` with every term in ``unit`` (bytes, or the solver's KiB)."""
+    peak = max((sum(min(unit(b) for b in r) for r in pk.values()) for pk in peaks), default=0)
+    return sum(min(unit(b) for b in row) for row in memory) + peak
 
 
 def no_fit(mesh: MeshSpec, capacity: float, memory: list[list[float]], peaks=()) -> PlanError:
