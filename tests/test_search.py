@@ -8,6 +8,7 @@ import models
 from jscaler.cost import estimate
 from jscaler.plan import MeshSpec
 from jscaler.search import brute_force, build_problem, intra_op, objective, solve
+from jscaler.search.ilp import Solution, to_plan
 
 from parity import assert_parity
 
@@ -81,18 +82,53 @@ def test_recompute_in_the_search_trades_memory_for_time(gpt_graph):
 
 
 @pytest.mark.parametrize("recompute", [0, 1])
-def test_the_solvers_memory_is_no_leaner_than_the_estimate(gpt_graph, recompute):
-    """A plan the solver fits under a capacity, the estimate fits too: with recompute the
-    solver counts, beside what is kept, the largest recomputed layer's values while its
-    backward runs (without them, 0.69x the estimate on this model)."""
+def test_the_solvers_memory_is_the_estimates(gpt_graph, recompute):
+    """The solver's memory of its plan is the estimate's: what is kept throughout, plus
+    the fuller of two phases, a recomputed layer's backward (its values made again) and
+    the gradient reduction (every gradient unreduced and reduced, the activations gone).
+    Counting only the kept bytes, with the gradients among them, it was 1.09x the
+    estimate without recompute and 0.69x with it on this model."""
     plan = intra_op(None, "dgx2_v100", recompute=recompute, cache=False)(gpt_graph, 8)
     problem, sol = plan.solved
-    assert bool(problem.peaks) == bool(recompute)
+    assert len(problem.peaks) == 1 + bool(recompute)  # the reduction, and the layers' backward
     kept = sum(problem.memory[c][s] for c, s in enumerate(sol.choice))
-    peak = max((sum(r[sol.choice[c]] for c, r in pk.items()) for pk in problem.peaks), default=0)
-    assert sol.memory == pytest.approx(kept + peak)
-    predicted = estimate(plan, "dgx2_v100").memory["total"]
-    assert predicted <= sol.memory <= 1.3 * predicted
+    phases = [sum(r[sol.choice[c]] for c, r in pk.items()) for pk in problem.peaks]
+    assert sol.memory == pytest.approx(kept + max(0, *phases))
+    assert sol.memory == pytest.approx(estimate(plan, "dgx2_v100").memory["total"], rel=1e-3)
+
+
+def test_a_tied_parameter_is_counted_as_the_lowering_stores_it():
+    """T5's embedding is read by the lookup and the LM head. The lowering stores it as the
+    lookup reads it where every reader reads it alike, and whole where not: for each split
+    strategy of the lookup, with the head's agreeing and not, the solver's memory of that
+    choice is the estimate's of its plan (stored whole always, T5 at 16 GPUs fit nowhere;
+    stored split always, the solver was 0.83x the estimate)."""
+    spec = models.get("t5-tiny")
+    g = jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+    plan = intra_op(None, "dgx2_v100", cache=False)(g, 8)
+    p, sol = plan.solved
+    (tie,) = p.tied
+    checked = {True: 0, False: 0}
+
+    def check(choice, apart):
+        assert tie.apart(choice) == apart
+        mine = to_plan(p, Solution(tuple(choice), *objective(p, choice), "CHECK"))
+        want = estimate(mine, "dgx2_v100").memory["total"]
+        assert objective(p, choice)[1] == pytest.approx(want, rel=1e-3)
+        checked[apart] += 1
+
+    for s in (s for s, b in enumerate(tie.kept) if b):
+        if not all(same[s] for _, same in tie.agree):
+            continue
+        alike = list(sol.choice)
+        alike[tie.cluster] = s
+        for c, same in tie.agree:
+            alike[c] = same[s][0]
+        check(alike, apart=False)
+        c, same = tie.agree[-1]
+        other = next(j for j in range(len(p.strategies[c])) if j not in same[s])
+        check([other if k == c else v for k, v in enumerate(alike)], apart=True)
+    assert checked[True] and checked[False]
 
 
 def test_search_is_deterministic_and_clusters_repeated_layers(gpt_graph):

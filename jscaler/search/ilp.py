@@ -4,11 +4,13 @@ The model is Alpa's: a boolean ``x[c, s]`` per cluster and strategy (exactly one
 cluster), a boolean ``e[a, b, i, j]`` per edge and strategy pair, linked to the ``x`` by
 ``sum_j e[a, b, i, j] = x[a, i]`` and ``sum_i e[a, b, i, j] = x[b, j]``; minimise
 ``sum node * x + sum edge * e`` (integer nanoseconds) under ``sum memory * x + w <=
-capacity``, ``w`` at least each recomputed layer's ``sum peak * x``. CP-SAT runs with
-one worker, a fixed seed and a deterministic-time limit, so every host derives the same
-plan; when it proves nothing in time, the best solution found is used, and with none,
-the greedy choice (each cluster's cheapest strategy, or its leanest when the cheapest do
-not fit).
+capacity``, ``w >= 0`` at least each phase's ``sum peak * x`` (a recomputed layer's
+backward, the gradient reduction); a tied parameter's readers reading it in different
+layouts (``d[t, s] >= x[first, s] - sum x[reader, agreeing]``) add its
+:class:`~jscaler.search.problem.Tied` costs. CP-SAT runs with one worker, a fixed seed
+and a deterministic-time limit, so every host derives the same plan; when it proves
+nothing in time, the best solution found is used, and with none, the greedy choice (each
+cluster's cheapest strategy, or its leanest when the cheapest do not fit).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from jscaler.errors import PlanError
 from jscaler.plan.helpers import assign_mesh, shard_dim, split_ops
 from jscaler.plan.pieces import op_pieces
 from jscaler.plan.plan import Plan
-from jscaler.search.problem import KB, Problem, fits_at_all, no_fit, objective
+from jscaler.search.problem import Problem, fits_at_all, memory_unit, no_fit, objective
 
 __all__ = ["Solution", "brute_force", "explain", "solve", "to_plan"]
 
@@ -61,19 +63,38 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
             m.add(sum(e[i, j] for j in range(len(x[b]))) == x[a][i])
         for j in range(len(x[b])):
             m.add(sum(e[i, j] for i in range(len(x[a]))) == x[b][j])
+    apart = []  # per tied parameter: its readers read it in different layouts
+    for k, tie in enumerate(p.tied):
+        first = x[tie.cluster]
+        d = [m.new_bool_var(f"apart{k}_{s}") for s in range(len(first))]
+        for s, v in enumerate(d):
+            for c, same in tie.agree:
+                m.add(v >= first[s] - sum(x[c][j] for j in same[s]))
+            terms.append((round(tie.seconds[s] * NS), v))
+        apart.append(d)
     if p.capacity is not None:
-        cap = int(p.capacity // KB)
+        unit = memory_unit(p.capacity)
+        cap = int(p.capacity // unit)
         kept = sum(
-            round(p.memory[c][s] / KB) * x[c][s] for c in range(len(x)) for s in range(len(x[c]))
+            round(p.memory[c][s] / unit) * x[c][s] for c in range(len(x)) for s in range(len(x[c]))
         )
-        if p.peaks:  # the largest recomputed layer's backward, beside what is kept
+        if p.peaks:  # the fullest phase (a layer's backward, the reduction) beside the kept
             w = m.new_int_var(0, cap, "peak")
-            for pk in p.peaks:
+            for k, pk in enumerate(p.peaks):
                 held = sum(
-                    round(b / KB) * x[c][s] for c, row in pk.items() for s, b in enumerate(row)
+                    round(b / unit) * x[c][s] for c, row in pk.items() for s, b in enumerate(row)
                 )
+                if k == len(p.peaks) - 1:  # the gradient reduction
+                    held += sum(
+                        round(b / unit) * v
+                        for tie, d in zip(p.tied, apart)
+                        for b, v in zip(tie.held, d)
+                    )
                 m.add(w >= held)
             kept += w
+        kept += sum(
+            round(b / unit) * v for tie, d in zip(p.tied, apart) for b, v in zip(tie.kept, d)
+        )
         m.add(kept <= cap)
     # gradient reductions hide behind the backward compute: z >= hidden - backward, z >= 0
     idx = [(c, s) for c in range(len(x)) for s in range(len(x[c]))]
@@ -109,10 +130,10 @@ def _greedy(p: Problem) -> tuple[int, ...]:
     )
     if p.capacity is None or objective(p, list(fast))[1] <= p.capacity:
         return fast
-    peak = [[0.0] * len(row) for row in p.memory]  # every layer's peak: an upper bound
+    peak = [[0.0] * len(row) for row in p.memory]  # each cluster's fullest phase
     for pk in p.peaks:
         for c, row in pk.items():
-            peak[c] = [u + v for u, v in zip(peak[c], row)]
+            peak[c] = [max(u, v) for u, v in zip(peak[c], row)]
     return tuple(
         min(range(len(row)), key=lambda s, c=c: (row[s] + peak[c][s], p.node[c][s], s))
         for c, row in enumerate(p.memory)

@@ -17,9 +17,13 @@ strategy per op fixes every tensor's layout on the mesh, hence:
 * a **memory** per (op, strategy): the activations it keeps for the backward pass and,
   for the first reader of a parameter, the parameter, its gradient and optimizer state in
   the layout that reader wants (parameters are stored as read);
-* a **peak** per recomputed layer: what its backward holds at once, the values of the
-  layer the backward reads, made again by its recomputed forward (the estimate's working
-  set): a device's memory is the sum of the kept bytes plus the largest layer's peak.
+* a **peak** per phase of the step beyond what is kept throughout, as the estimate has
+  them: each recomputed layer's backward (the values of the layer the backward reads,
+  made again by its recomputed forward: the estimate's working set), and the gradient
+  reduction after the backward (every parameter's gradient as the backward made it and
+  reduced, the kept activations gone). A device's memory is the sum of the kept bytes
+  (parameters, optimizer state, activations kept for the backward) plus the largest
+  peak.
 
 Ops of repeated layers at the same position form one *cluster* sharing a strategy (the
 i-th op of every block), so a model's depth does not grow the problem; a tensor passing
@@ -42,7 +46,13 @@ from jscaler.compile.comm import NON_DIFFERENTIABLE, convert
 from jscaler.compile.layout import Layout
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
-from jscaler.cost.estimate import CONTRACTIONS, local_bytes, needs_grad, saved_for_backward
+from jscaler.cost.estimate import (
+    CONTRACTIONS,
+    local_bytes,
+    needs_grad,
+    saved_for_backward,
+    shared_params,
+)
 from jscaler.cost.fusion import fused_kept, materialised
 from jscaler.cost.precision import compute_roofs, value_scale
 from jscaler.errors import OutOfMemoryError, PlanError
@@ -53,15 +63,44 @@ from jscaler.plan.mesh import MeshSpec
 __all__ = [
     "Problem",
     "Strategy",
+    "Tied",
     "build_problem",
     "fits_at_all",
     "least_memory",
+    "memory_unit",
     "no_fit",
     "objective",
 ]
 
 Strategy = tuple  # per mesh axis: a dim name or None
-KB = 1024  # the solver's memory unit
+
+
+def memory_unit(capacity: float) -> int:
+    """The solver's memory unit (bytes) under ``capacity``: a 2**-24 share of it, at least
+    a byte (2 KiB under 32 GiB), so a capacity spans the same integer range at every scale
+    and rounding each term to it moves a sum over thousands of terms by well under 1%."""
+    return max(1, int(capacity) >> 24)
+
+
+@dataclass(frozen=True)
+class Tied:
+    """A parameter several ops read (a tied embedding). The lowering stores a graph input
+    as its readers read it where they all read it alike, else whole: the problem's tables
+    count it as its first reader reads it, and where another reader reads it otherwise,
+    the first reader's cluster pays, per strategy, the difference."""
+
+    cluster: int  # its first reader's
+    # per other reader: (its cluster, per strategy of ``cluster``: its strategies that
+    # read the parameter in the same layout)
+    agree: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...]
+    seconds: tuple[float, ...]  # per strategy of ``cluster``: the update of the rest
+    kept: tuple[float, ...]  # the rest of the parameter and its optimizer state
+    held: tuple[float, ...]  # the rest of its gradients at the reduction (the last peak)
+
+    def apart(self, choice) -> bool:
+        """Whether the readers read it in different layouts under ``choice``."""
+        s = choice[self.cluster]
+        return any(choice[c] not in same[s] for c, same in self.agree)
 
 
 @dataclass
@@ -80,8 +119,10 @@ class Problem:
     edges: dict = field(default_factory=dict)  # (cluster a, cluster b) -> [[seconds]]
     capacity: float | None = None
     zero: list = field(default_factory=list)  # per cluster, per strategy: ZeRO-2 its params
-    # per distinct recomputed layer: {cluster: bytes per strategy} its backward holds at once
+    # per phase: {cluster: bytes per strategy} beyond the kept ones (may be negative): each
+    # distinct recomputed layer's backward, and last the gradient reduction's
     peaks: list = field(default_factory=list)
+    tied: tuple[Tied, ...] = ()  # parameters several ops read, where their layouts matter
 
     @property
     def size(self) -> int:
@@ -96,8 +137,12 @@ def objective(p: Problem, choice: list[int]) -> tuple[float, float]:
     hidden = sum(p.hidden[c][s] for c, s in enumerate(choice))
     t += max(0.0, hidden - sum(p.backward[c][s] for c, s in enumerate(choice)))
     mem = sum(p.memory[c][s] for c, s in enumerate(choice))
-    mem += max((sum(row[choice[c]] for c, row in pk.items()) for pk in p.peaks), default=0.0)
-    return t, mem
+    phases = [sum(row[choice[c]] for c, row in pk.items()) for pk in p.peaks]
+    for tie in p.tied:
+        if tie.apart(choice):
+            s = choice[tie.cluster]
+            t, mem, phases[-1] = t + tie.seconds[s], mem + tie.kept[s], phases[-1] + tie.held[s]
+    return t, mem + max([0.0, *phases])
 
 
 # ---- building -------------------------------------------------------------------------
@@ -205,6 +250,7 @@ def build_problem(
             if graph.tensors[t].role in ("param", "batch"):
                 first_reader.setdefault(t, op.id)
     producer = {t: o.id for o in graph.ops for t in o.outputs}
+    tied = shared_params(graph)
 
     def nbytes(t) -> float:
         return local_bytes(graph, t, None, sizes)
@@ -225,11 +271,12 @@ def build_problem(
         merges with the others of its kind (their latency is paid once, not per op)."""
         return collective_time(kind, b, group(axes), cl, algorithm, latency=not combined)
 
-    def node_cost(op: Op, s: Strategy, zero: bool = False) -> tuple[float, float, float, float]:
+    def node_cost(op: Op, s: Strategy, zero: bool = False) -> tuple[float, ...]:
         """(seconds exposed, seconds of parameter-gradient reduction, backward seconds,
-        bytes kept); ``zero``: the parameters it reads first (whole) are ZeRO-2 sharded
-        over every mesh axis: gradients reduce-scattered, the update and its state split,
-        the new parameters all-gathered."""
+        bytes kept, bytes at the gradient reduction beyond the kept ones); ``zero``: the
+        parameters it reads first (whole) are ZeRO-2 sharded over every mesh axis:
+        gradients reduce-scattered, the update and its state split, the new parameters
+        all-gathered."""
         ann = op.annotation
         share = 1.0 / math.prod(sizes[a] for a, d in zip(names, s) if d is not None)
         diff = op.primitive not in NON_DIFFERENTIABLE and any(t in needs for t in op.outputs)
@@ -239,16 +286,17 @@ def build_problem(
         )
         once = max(op.flops * share / roofs[op.id], moved * share / cl.memory_bandwidth)
         again = 1.0 if op.id in recomputed and diff else 0.0
-        t, grads, mem = (1 + back + again) * once, 0.0, 0.0
+        t, grads, mem, kept, held = (1 + back + again) * once, 0.0, 0.0, 0.0, 0.0
         if ann is None:
-            return t, 0.0, back * once, scale * sum(nbytes(x) for x in op.outputs if x in saved)
+            kept = scale * sum(nbytes(x) for x in op.outputs if x in saved)
+            return t, 0.0, back * once, kept, -kept
         used = {a for a, d in zip(names, s) if d is not None}
         for dims, x in zip(ann.outputs, op.outputs):
             lay = layout(dims, s, mesh, ann.kinds, True)
             if lay.partial:
                 t += coll("all-reduce", local(x, lay), lay.partial)
             if x in saved:
-                mem += scale * local(x, lay)
+                kept += scale * local(x, lay)
         for dims, x in zip(ann.inputs, op.inputs):
             if isinstance(x, Literal):
                 continue
@@ -272,9 +320,12 @@ def build_problem(
                     mem += local(x, lay)
                     continue
                 k = mesh.size if sharded else 1
-                t += (3 + 2 * optimizer_slots) * local(x, lay) / k / cl.memory_bandwidth
-                mem += local(x, lay) + (1 + optimizer_slots) * local(x, lay) / k
-        return t, grads, back * once, mem
+                size = local(x, lay)  # stored as read (a tied one: see Problem.tied)
+                t += (3 + 2 * optimizer_slots) * size / k / cl.memory_bandwidth
+                mem += size + optimizer_slots * size / k
+                if x in needs:
+                    held += _reduction_bytes(len(tied.get(x, (x,))), size, k)
+        return t, grads, back * once, mem + kept, held - kept
 
     def zero_ok(op: Op, s: Strategy) -> bool:
         """Whether ZeRO-2 applies: the op first-reads a parameter whole, with a dim the
@@ -290,7 +341,7 @@ def build_problem(
                     return True
         return False
 
-    strategies, node, hidden, backward, memory, zeros = [], [], [], [], [], []
+    strategies, node, hidden, backward, memory, reduction, zeros = [], [], [], [], [], [], []
     for ids in clusters:
         base = _strategies(ops[ids[0]], mesh)
         plain = [(s, False) for s in base]
@@ -298,9 +349,29 @@ def build_problem(
         costs = [[node_cost(ops[o], s, z) for o in ids] for s, z in strats]
         strategies.append([s for s, _ in strats])
         zeros.append([z for _, z in strats])
-        for k, table in enumerate((node, hidden, backward, memory)):
+        for k, table in enumerate((node, hidden, backward, memory, reduction)):
             table.append([sum(c[k] for c in cs) for cs in costs])
     peaks = _peaks(graph, mesh, layers, ops, where, strategies, whole, scale)
+    peaks.append(dict(enumerate(reduction)))  # the gradient reduction after the backward
+    ties = []
+    for x, readers in sorted(tied.items()):
+        first = ops[first_reader[x]]
+        c = where[first.id]
+        lays = [_reduced(graph, first, first.inputs.index(x), s, mesh, True) for s in strategies[c]]
+        extra = [nbytes(x) - local(x, lay) for lay in lays]  # where stored whole, not split
+        if not any(extra):
+            continue
+        agree = _agreeing(graph, mesh, x, first, lays, readers, where, strategies)
+        n = len(readers)
+        ties.append(
+            Tied(
+                c,
+                agree,
+                tuple((3 + 2 * optimizer_slots) * b / cl.memory_bandwidth for b in extra),
+                tuple((1 + optimizer_slots) * b for b in extra),
+                tuple(_reduction_bytes(n, b, 1) if x in needs else 0.0 for b in extra),
+            )
+        )
     if fail_fast and capacity is not None and not fits_at_all(memory, capacity, peaks):
         raise no_fit(mesh, capacity, memory, peaks)
 
@@ -351,8 +422,33 @@ def build_problem(
             edges[key] = mat
     return Problem(
         graph, mesh, cl, clusters, strategies, node, hidden, backward, memory, edges, capacity,
-        zeros, peaks,
+        zeros, peaks, tuple(ties),
     )  # fmt: skip
+
+
+def _agreeing(graph, mesh, x, first, lays, readers, where, strategies) -> tuple:
+    """:attr:`Tied.agree` of parameter ``x``: per reader but ``first``, its cluster and,
+    per layout in ``lays`` (``first`` reading ``x`` under each of its strategies), that
+    cluster's strategies reading ``x`` in that layout."""
+    out = []
+    for r in readers:
+        for k, y in enumerate(r.inputs):
+            if y != x or r.id == first.id:
+                continue
+            c = where[r.id]
+            theirs = [_reduced(graph, r, k, s, mesh, True) for s in strategies[c]]
+            out.append(
+                (c, tuple(tuple(j for j, t in enumerate(theirs) if t == lay) for lay in lays))
+            )
+    return tuple(out)
+
+
+def _reduction_bytes(readers: int, size: float, k: int) -> float:
+    """A parameter's bytes at the gradient reduction, as the estimate counts them: its
+    gradient as the backward makes it and reduced (split over ``k`` devices by ZeRO-2),
+    and two contributions per reader past the first beside them
+    (:func:`~jscaler.cost.estimate.shared_params`)."""
+    return (1 + 2 * (readers - 1)) * size + size / k
 
 
 def _peaks(graph, mesh, layers, ops, where, strategies, whole, scale) -> list[dict]:
@@ -385,23 +481,33 @@ def _peaks(graph, mesh, layers, ops, where, strategies, whole, scale) -> list[di
 
 
 def least_memory(memory: list[list[float]], peaks=()) -> float:
-    """No strategy choice needs less (bytes): every cluster's leanest strategy, and the
-    largest recomputed layer's leanest peak."""
+    """No strategy choice needs less (bytes): every cluster's leanest strategy, with each
+    phase's bytes beside its kept ones (:attr:`Problem.peaks`)."""
     return _least(memory, peaks, lambda b: b)
 
 
 def fits_at_all(memory: list[list[float]], capacity: float, peaks=()) -> bool:
     """Whether some strategy choice may meet the solver's memory constraint, in its units
-    (each cluster's bytes rounded to KiB, the capacity's KiB rounded down): the clusters'
-    leanest strategies together, with the largest recomputed layer's leanest peak (exact
-    without recompute; a lower bound with it, where the solver may still find none)."""
-    return _least(memory, peaks, lambda b: round(b / KB)) <= int(capacity // KB)
+    (each term's bytes rounded to :func:`memory_unit`, the capacity rounded down): every
+    cluster's leanest strategy, with each phase's bytes beside its kept ones, a tied
+    parameter split (a lower bound: exact where one choice is the leanest in every phase,
+    as it is where the most split strategy holds least throughout)."""
+    unit = memory_unit(capacity)
+    return _least(memory, peaks, lambda b: round(b / unit)) <= int(capacity // unit)
 
 
 def _least(memory, peaks, unit) -> float:
-    """:func:`least_memory` with every term in ``unit`` (bytes, or the solver's KiB)."""
-    peak = max((sum(min(unit(b) for b in r) for r in pk.values()) for pk in peaks), default=0)
-    return sum(min(unit(b) for b in row) for row in memory) + peak
+    """:func:`least_memory` with every term in ``unit`` (bytes, or the solver's units)."""
+    kept = [[unit(b) for b in row] for row in memory]
+    least = sum(min(row) for row in kept)
+    for pk in peaks:
+        phase = {c: [unit(b) for b in r] for c, r in pk.items()}
+        both = sum(
+            min(k + v for k, v in zip(row, phase.get(c, [0] * len(row))))
+            for c, row in enumerate(kept)
+        )  # fmt: skip
+        least = max(least, both)
+    return least
 
 
 def no_fit(mesh: MeshSpec, capacity: float, memory: list[list[float]], peaks=()) -> PlanError:
@@ -410,9 +516,10 @@ def no_fit(mesh: MeshSpec, capacity: float, memory: list[list[float]], peaks=())
     least = least_memory(memory, peaks)
     return OutOfMemoryError(
         f"no plan on mesh {mesh} fits {capacity / 2**30:.2f} GiB per device: every "
-        f"strategy choice needs {least / 2**30:.2f} GiB or more (activations kept for the "
-        f"backward pass, a recomputed layer's while its backward runs, and parameter "
-        f"state); add devices, recompute, or use pipeline stages"
+        f"strategy choice needs {least / 2**30:.2f} GiB or more (parameter state, "
+        f"activations kept for the backward pass, a recomputed layer's while its backward "
+        f"runs, gradients at their reduction); add devices, recompute, or use pipeline "
+        f"stages"
     )
 
 
