@@ -48,6 +48,7 @@ class Transfer:
     axes: tuple[str, ...]
     bytes: int  # per device, per occurrence
     times: int = 1  # occurrences per step (micro-batches)
+    op: int | None = None  # the op where it happens (None: the update's)
 
 
 @dataclass(frozen=True)
@@ -175,9 +176,9 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
         tensor = g.tensors[t]
         return tensor.shape, jnp.dtype(tensor.dtype).itemsize
 
-    def add(phase, kind, t, path, axes, nbytes, times):
+    def add(phase, kind, t, path, axes, nbytes, times, op=None):
         if nbytes:
-            rows.append(Transfer(phase, kind, t, path, tuple(axes), int(nbytes), times))
+            rows.append(Transfer(phase, kind, t, path, tuple(axes), int(nbytes), times, op))
 
     # ---- forward: reductions at producers, conversions at consumers ------------------
     # a weight (a tied embedding read by the lookup and the LM head) converted to the same
@@ -210,7 +211,7 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
                 converted.add((x, lay))
             for kind, axes, nbytes in convert(shape, isz, producer_layout[x], lay, sizes):
                 for phase, times in todo:
-                    add(phase, kind, x, op.path, axes, nbytes, times)
+                    add(phase, kind, x, op.path, axes, nbytes, times, op.id)
         for t, lay in zip(op.outputs, lays.outputs):
             final = output_layout(lowered, op, t, lay)
             producer_layout[t] = final
@@ -219,7 +220,7 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
             shape, isz = info(t)
             for kind, ax, nbytes in _reduce(shape, isz, lay.reduced, lay.partial, final, sizes):
                 for phase, times in phases:
-                    add(phase, kind, t, op.path, ax, nbytes, times)
+                    add(phase, kind, t, op.path, ax, nbytes, times, op.id)
 
     # ---- backward: partial cotangents reduced towards the producer's layout ----------
     # a cotangent is reduced only where a gradient flows: not through a recycling pass
@@ -249,12 +250,12 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
             target = grad_target.get(x, producer_layout[x])
             red = _reduce(shape, isz, lay, partial, target, sizes)
             for kind, axes, nbytes in red:
-                add("backward", kind, x, op.path, axes, nbytes, m)
+                add("backward", kind, x, op.path, axes, nbytes, m, op.id)
             after = lay
             if red and red[0][0] == "reduce-scatter":
                 after = target
             for kind, axes, nbytes in convert(shape, isz, after, target, sizes):
-                add("backward", kind, x, op.path, axes, nbytes, m)
+                add("backward", kind, x, op.path, axes, nbytes, m, op.id)
 
     # ---- optimizer: gradient and parameter to the update layout, back to storage ----
     for t in lowered.update:

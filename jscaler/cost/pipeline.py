@@ -261,9 +261,9 @@ def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Cos
         pg = gp.pgraph
         on_here = [o for o in pg.graph.ops if _on(o, gi, stage_of, sched, pg.graph)]
         read_here = {x for o in on_here for x in o.inputs}
-        # (module path, tensor) of the reads here: a parameter read on several stages (a
-        # tied embedding and LM head) has each reader's gradient reduced on its own stage
-        read_at = {(o.path, x) for o in on_here for x in o.inputs}
+        # a parameter read on several stages (a tied embedding and LM head) has each
+        # reader's gradient reduced on its own stage (by op: T5's two lookups share a path)
+        here_ids = {o.id for o in on_here}
         opt = {d: 0.0 for d in mesh.devices}  # optimizer-side ops, once per step
         for vop in (*pg.grad_ops, *pg.update_ops):
             if vop.inputs[0] in read_here:
@@ -277,7 +277,7 @@ def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Cos
             role = pg.graph.tensors[r.tensor].role
             s, k = where(r.tensor)
             if role == "param" and r.phase == "backward":
-                if (r.path, r.tensor) not in read_at:
+                if r.op not in here_ids:
                     continue
             elif role == "param" or r.phase == "update":
                 if r.tensor not in read_here:
