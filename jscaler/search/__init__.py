@@ -34,7 +34,6 @@ from jscaler.search.problem import Problem as Problem
 from jscaler.search.problem import build_problem as build_problem
 from jscaler.search.problem import fits_at_all as fits_at_all
 from jscaler.search.problem import least_memory as least_memory
-from jscaler.search.problem import memory_unit as memory_unit
 from jscaler.search.problem import objective as objective
 from jscaler.search.propagate import propagate as propagate
 from jscaler.search.stages import best_split as best_split
