@@ -273,8 +273,11 @@ def _auto(systems: dict, graph_of, n: int, batch: int, cluster: str) -> dict:
     if result.best is None:
         return out
     est = result.estimate
+    tags = result.best.label().split("[")[1].rstrip("]")  # its micro-batches, schedule
+    if _recomputes(result.plan):
+        tags += ", recompute"
     return out | {
-        "plan": f"{result.plan.name} [{result.best.label().split('[')[1]}",
+        "plan": f"{result.plan.name} [{tags}]",
         "step_s": est.step_time,
         "tflops": est.model_flops / est.step_time / 1e12,
         "samples_s": batch / est.step_time,
@@ -282,6 +285,13 @@ def _auto(systems: dict, graph_of, n: int, batch: int, cluster: str) -> dict:
         "fits": True,
         "explain": result.explain(),
     }
+
+
+def _recomputes(plan) -> bool:
+    """Whether the plan (any of a pipeline's group plans) recomputes layers: auto may drop
+    the grid's layer-wise recomputation where a plan fits without it."""
+    plans = [g.plan for g in plan.groups] if plan.is_pipeline else [plan]
+    return any(p.recompute for p in plans)
 
 
 def best(result: dict, system: str, cluster: str) -> tuple[str, dict] | None:
