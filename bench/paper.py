@@ -290,8 +290,7 @@ def _auto(systems: dict, graph_of, n: int, batch: int, cluster: str) -> dict:
 def _recomputes(plan) -> bool:
     """Whether the plan (any of a pipeline's group plans) recomputes layers: auto may drop
     the grid's layer-wise recomputation where a plan fits without it."""
-    plans = [g.plan for g in plan.groups] if plan.is_pipeline else [plan]
-    return any(p.recompute for p in plans)
+    return any(p.recompute for p in plan.spmd_plans)
 
 
 def best(result: dict, system: str, cluster: str) -> tuple[str, dict] | None:

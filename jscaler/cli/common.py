@@ -209,10 +209,3 @@ def throughput(batch) -> tuple[int, int | None]:
     samples = int(first.shape[0])
     is_tokens = first.ndim == 2 and np.issubdtype(first.dtype, np.integer)
     return samples, samples * int(first.shape[1]) if is_tokens else None
-
-
-def plans_of(trainer) -> list:
-    plan = trainer.plan
-    if hasattr(plan, "groups"):
-        return list({id(g.plan): g.plan for g in plan.groups}.values())
-    return [plan]

@@ -13,7 +13,6 @@ from jscaler.cli.common import (
     add_pipeline,
     add_plan,
     describe,
-    plans_of,
     setup_trainer,
     throughput,
 )
@@ -222,7 +221,7 @@ def _train(args, parser) -> int:
     if args.explain:
         if trainer.plan.searched is not None:
             print(trainer.plan.searched.explain())
-        for plan in plans_of(trainer):
+        for plan in trainer.plan.spmd_plans:
             print(explain(plan))
     start_step = 0
     if args.init_from:

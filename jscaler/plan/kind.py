@@ -29,6 +29,11 @@ class AnyPlan(Protocol):
         """The traced graph the plan was made for."""
         ...
 
+    @property
+    def spmd_plans(self) -> tuple:
+        """The SPMD plans it runs: the plan itself, or each pipeline group's plan once."""
+        ...
+
     def describe(self) -> dict:
         """A JSON-able description of everything a process will run (the plan's JSON, for a
         pipeline every group's devices and plan): hashed to check processes agree."""

@@ -97,6 +97,11 @@ class PipelinePlan:
         return self.groups[0].plan.graph
 
     @property
+    def spmd_plans(self) -> tuple:
+        """The groups' plans, each once, in group order (see :class:`AnyPlan`)."""
+        return tuple({id(g.plan): g.plan for g in self.groups}.values())
+
+    @property
     def pipeline_groups(self) -> int:
         """Groups that partition the devices (the ``p`` a schedule function is given)."""
         return len(self.groups) - len(self.whole)

@@ -258,6 +258,11 @@ class Plan(Memoized):
         """The manual region an op belongs to, if any."""
         return next((r for r in self.regions if op_id in r.ops), None)
 
+    @property
+    def spmd_plans(self) -> tuple:
+        """Itself (see :class:`~jscaler.plan.kind.AnyPlan`)."""
+        return (self,)
+
     def is_recomputed(self, op_id: int) -> bool:
         return any(op_id in g for g in self.recompute)
 

@@ -301,8 +301,7 @@ def resolve_plan(plan, graph: Graph, n_devices: int, cluster: Cluster | None = N
     ``cluster``, default ``cpu``)."""
     if isinstance(plan, AnyPlan):
         fp = graph_fingerprint(graph)
-        groups = [g.plan for g in plan.groups] if plan.is_pipeline else [plan]
-        for p in groups:
+        for p in plan.spmd_plans:
             if p.fingerprint != fp:
                 Plan.from_json(p.to_json(), graph, "the plan given")  # raises the mismatch
         return plan
