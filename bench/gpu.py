@@ -16,8 +16,8 @@ NVIDIA GPUs from Ampere on is TF32 unless ``jax_default_matmul_precision`` says 
 
 One device, so no collectives: data parallelism at one device (``dp``), with and without
 bf16 compute (``precision="bf16"``) and recomputation, on GPTs from 21M to 1.3B
-parameters, the dropless mixture of experts, whose ``ragged_dot`` is a grouped matrix
-product on a GPU (``Cluster.native_ragged_dot``), and three Hugging Face Flax models
+parameters, the dropless mixture of experts, whose ``ragged_dot`` XLA runs as a dense
+product over the experts (``Cluster.native_ragged_dot``), and three Hugging Face Flax models
 nobody here wrote (GPT-2 small, a 12-layer Llama of width 1024, BERT-base; float32).
 Two cases repeat a step at batch 1: what a step costs beyond its per-sample work. Each
 row also counts the kernels the compiled step launches (:func:`launches`). ``--small``:

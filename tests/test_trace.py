@@ -285,3 +285,26 @@ def test_haiku_separators_are_not_in_names():
     )
     names = {graph.tensors[t].name for t in graph.inputs}
     assert "mlp/linear_0/w" in names
+
+
+def test_a_ragged_dot_counts_each_rows_own_group():
+    """A dropless MoE's grouped matmul: each row meets one group's matrix, so its FLOPs are
+    a dense dot's over one group, forward and in both gradients (it counted none)."""
+    rows, k, n, groups = 48, 16, 8, 4
+    sizes = jnp.array([12, 12, 12, 12], jnp.int32)
+
+    def loss(p, batch):
+        return jax.lax.ragged_dot(batch["x"], p["w"], sizes).sum()
+
+    params = {"w": jnp.ones((groups, k, n))}
+    g = jscaler.trace(loss, params, {"x": jnp.ones((rows, k))})
+    (op,) = [o for o in g.ops if o.primitive == "ragged_dot_general"]
+    assert op.flops == 2 * rows * k * n
+    # its weight gradient contracts the ragged rows into one output per group
+    jaxpr = jax.make_jaxpr(jax.grad(lambda w: loss({"w": w}, {"x": jnp.ones((rows, k))})))(
+        params["w"]
+    )
+    from jscaler.ir.flops import op_flops
+
+    grads = [e for e in jaxpr.eqns if e.primitive.name == "ragged_dot_general"][1:]
+    assert grads and [op_flops(e) for e in grads] == [2 * rows * k * n] * len(grads)

@@ -68,12 +68,22 @@ def compute_roofs(g, cl: Cluster, dtype: str) -> dict[int, float]:
     traced in fp32 and run in half precision (the what-if of ``estimate(dtype="bf16")``),
     else each op at its own operands' dtype's (a model that computes its matmuls in bf16
     gets the bf16 peak, its fp32 ones the fp32 one: TF32 on presets where JAX's default
-    precision runs them so, see :attr:`Cluster.fp32_matmul`)."""
+    precision runs them so, see :attr:`Cluster.fp32_matmul`). A ``ragged_dot`` on a
+    backend without a grouped matmul (``Cluster.native_ragged_dot`` False) multiplies
+    every row by every group's matrix: its useful FLOPs run at a g-th of the roof."""
     if dtype in HALF and not traced_in_half(g):
         roof = cl.peak(dtype) * cl.efficiency
-        return dict.fromkeys((op.id for op in g.ops), roof)
-    roofs = {k: cl.peak(k if k in cl.flops else "fp32") * cl.efficiency for k in ("fp32", *HALF)}
-    return {op: roofs[kind] for op, kind in op_compute_dtypes(g).items()}
+        found = dict.fromkeys((op.id for op in g.ops), roof)
+    else:
+        roofs = {
+            k: cl.peak(k if k in cl.flops else "fp32") * cl.efficiency for k in ("fp32", *HALF)
+        }
+        found = {op: roofs[kind] for op, kind in op_compute_dtypes(g).items()}
+    if not cl.native_ragged_dot:  # a dense dot over every group: a g-th of it is useful
+        for op in g.ops:
+            if op.primitive == "ragged_dot_general":
+                found[op.id] /= g.tensors[op.tensor_inputs[2]].shape[-1]
+    return found
 
 
 def op_compute_dtypes(g) -> dict[int, str]:

@@ -1,7 +1,8 @@
 """FLOP counts of single ops (forward pass), for coverage and the cost model.
 
-Contractions count a multiply-add as 2 FLOPs; elementwise arithmetic and reductions count
-one per element; data movement counts zero.
+Contractions count a multiply-add as 2 FLOPs (a ``ragged_dot``, a dropless MoE's grouped
+matmul, the work of each row's own group); elementwise arithmetic and reductions count one
+per element; data movement counts zero.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def _size(v) -> int:
     return math.prod(getattr(v.aval, "shape", ()))
 
 
+def ragged_groups(eqn) -> int:
+    """The groups of a ``ragged_dot_general`` (the length of its ``group_sizes``)."""
+    shape = eqn.invars[2].aval.shape
+    return shape[-1] if shape else 1
+
+
 def op_flops(eqn) -> float:
     """FLOPs of one primitive equation (call and loop ops sum their bodies instead)."""
     name = eqn.primitive.name
@@ -37,6 +44,16 @@ def op_flops(eqn) -> float:
         (lc, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval.shape
         return 2.0 * _size(eqn.outvars[0]) * math.prod(lhs[i] for i in lc)
+    if name == "ragged_dot_general":
+        # each row of the ragged dim meets one group's matrix: a weight gradient (the
+        # ragged dim contracted, one output per group) does one group's share per output
+        rdn = eqn.params["ragged_dot_dimension_numbers"]
+        (lc, _), _ = rdn.dot_dimension_numbers
+        lhs = eqn.invars[0].aval.shape
+        whole = 2.0 * _size(eqn.outvars[0]) * math.prod(lhs[i] for i in lc)
+        if set(rdn.lhs_ragged_dimensions) & set(lc):
+            whole /= ragged_groups(eqn)
+        return whole
     if name == "conv_general_dilated":
         rhs = eqn.invars[1].aval.shape
         spec = eqn.params["dimension_numbers"].rhs_spec

@@ -207,7 +207,12 @@ def explain(problem: Problem, sol: Solution) -> str:
     ]
     for c, ids in enumerate(problem.clusters):
         op = ops[ids[0]]
-        if op.primitive not in ("dot_general", "conv_general_dilated", "gather"):
+        if op.primitive not in (
+            "dot_general",
+            "ragged_dot_general",
+            "conv_general_dilated",
+            "gather",
+        ):
             continue
         strategy = problem.strategies[c][sol.choice[c]]
         splits = ", ".join(
