@@ -11,10 +11,13 @@ size, each op at its own operands' dtype's peak.
 
 from __future__ import annotations
 
+import math
+
 from jscaler.cost.cluster import Cluster
 
 __all__ = [
     "HALF",
+    "aligned",
     "compute_roofs",
     "op_compute_dtypes",
     "row_scale",
@@ -70,20 +73,52 @@ def compute_roofs(g, cl: Cluster, dtype: str) -> dict[int, float]:
     gets the bf16 peak, its fp32 ones the fp32 one: TF32 on presets where JAX's default
     precision runs them so, see :attr:`Cluster.fp32_matmul`). A ``ragged_dot`` on a
     backend without a grouped matmul (``Cluster.native_ragged_dot`` False) multiplies
-    every row by every group's matrix: its useful FLOPs run at a g-th of the roof."""
+    every row by every group's matrix: its useful FLOPs run at a g-th of the roof. A
+    matrix product with a dim that is not a multiple of 16 bytes runs at
+    :attr:`Cluster.unaligned_matmul` of it (:func:`aligned`)."""
+    kinds = op_compute_dtypes(g)
     if dtype in HALF and not traced_in_half(g):
         roof = cl.peak(dtype) * cl.efficiency
         found = dict.fromkeys((op.id for op in g.ops), roof)
+        kinds = dict.fromkeys(kinds, dtype)
     else:
         roofs = {
             k: cl.peak(k if k in cl.flops else "fp32") * cl.efficiency for k in ("fp32", *HALF)
         }
-        found = {op: roofs[kind] for op, kind in op_compute_dtypes(g).items()}
-    if not cl.native_ragged_dot:  # a dense dot over every group: a g-th of it is useful
-        for op in g.ops:
-            if op.primitive == "ragged_dot_general":
-                found[op.id] /= g.tensors[op.tensor_inputs[2]].shape[-1]
+        found = {op: roofs[kind] for op, kind in kinds.items()}
+    for op in g.ops:
+        if op.primitive == "ragged_dot_general" and not cl.native_ragged_dot:
+            # a dense dot over every group: a g-th of it is useful
+            found[op.id] /= g.tensors[op.tensor_inputs[2]].shape[-1]
+        if cl.unaligned_matmul != 1.0 and not aligned(g, op, 2 if kinds[op.id] in HALF else 4):
+            found[op.id] *= cl.unaligned_matmul
     return found
+
+
+MATMULS = ("dot_general", "ragged_dot_general")
+
+
+def aligned(g, op, itemsize: int) -> bool:
+    """Whether a matrix product's ``m``, ``n`` and ``k`` (each the product of its dims, as
+    XLA collapses them into one GEMM) are multiples of 16 bytes at ``itemsize``: the
+    tensor cores' alignment, 4 elements of TF32, 8 of bf16. The backward contracts the
+    forward's ``m`` and ``n``, so all three count. Any other op is aligned."""
+    if op.primitive not in MATMULS:
+        return True
+    params = op.eqn.params
+    if op.primitive == "dot_general":
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        groups = ()
+    else:
+        rdn = params["ragged_dot_dimension_numbers"]
+        (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
+        groups = tuple(rdn.rhs_group_dimensions)
+    ls, rs = (g.tensors[t].shape for t in op.tensor_inputs[:2])
+    per = 16 // itemsize
+    m = math.prod(n for i, n in enumerate(ls) if i not in (*lc, *lb))
+    n = math.prod(n for i, n in enumerate(rs) if i not in (*rc, *rb, *groups))
+    k = math.prod(ls[i] for i in lc)
+    return not (m % per or n % per or k % per)
 
 
 def op_compute_dtypes(g) -> dict[int, str]:
