@@ -21,6 +21,10 @@ from spaces import dp
 MEASURED_MB = {
     ("gpt-350m", 8, "fp32"): 42688,
     ("gpt-350m", 8, "bf16"): 23229,
+    # each block recomputed: XLA keeps each block's input (24 of bf16[8, 1024, 1024]), not
+    # the chain of residual adds behind it; +25% while the fusion rule walked back through
+    # that chain to every block's projections and the rerun block kept its softmax
+    ("gpt-350m", 8, "bf16+recompute"): 4254,
     ("moe-small-dropless", 16, "bf16"): 1616,
 }
 # SGD step times on one H200 in ms (median of 10, bench gpu's fourth run), with the
@@ -56,6 +60,7 @@ def test_an_elementwise_chain_is_one_kernel():
 def _plan(name: str, batch: int, precision: str):
     """The one-device plan of a GPT or the dropless MoE (shapes only: nothing is
     initialised)."""
+    precision, _, recompute = precision.partition("+")
     if name.startswith("hf-"):
         from bench import gpu
 
@@ -78,13 +83,13 @@ def _plan(name: str, batch: int, precision: str):
     model = nnx.eval_shape(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)))
     data = jax.eval_shape(lambda: gpt.synthetic_batch(cfg, batch, 0))
     model, data = with_compute_dtype(model, data, jnp.bfloat16 if precision == "bf16" else None)
-    return dp()(jscaler.trace(gpt.loss, model, data), 1)
+    return dp(recompute=int(bool(recompute)))(jscaler.trace(gpt.loss, model, data), 1)
 
 
 @pytest.mark.parametrize("name, batch, precision", sorted(MEASURED_MB))
 def test_memory_on_an_h200(name, batch, precision):
     plan = _plan(name, batch, precision)
-    total = jscaler.estimate(plan, "h200", dtype=precision).memory["total"] / 1e6
+    total = jscaler.estimate(plan, "h200", dtype=precision.split("+")[0]).memory["total"] / 1e6
     assert abs(total / MEASURED_MB[name, batch, precision] - 1) < 0.10, total
 
 

@@ -73,6 +73,7 @@ __all__ = [
     "needs_grad",
     "roofline_seconds",
     "ragged_expansions",
+    "unit_edges",
     "saved_for_backward",
 ]
 
@@ -204,6 +205,15 @@ def saved_for_backward(
         group = groups.get(producer)
         if group is None or groups.get(reader) != group:
             saved.add(t)
+    # the backward reruns a group from its inputs, read linearly or not (a bf16 block's
+    # input, which its norm first converts to fp32)
+    for op in graph.ops:
+        group = groups.get(op.id)
+        if group is not None:
+            for t in op.tensor_inputs:
+                made = graph.producer(t)
+                if made is None or groups.get(made.id) != group:
+                    saved.add(t)
     return saved & _activation_tensors(graph, views)
 
 
@@ -527,7 +537,8 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float =
     for op in g.ops:
         for t, lay in zip(op.outputs, low.ops[op.id].outputs):
             produced[t] = lay
-    saved = saved_for_backward(g, recompute_groups(low.plan))
+    units = recompute_groups(low.plan)
+    saved = saved_for_backward(g, units)
     # a view of a gathered weight (GPT-2's transposed FlaxConv1D kernels, a tied LM head)
     # is the gathered weight to XLA, which folds the view into the matmul: kept or dropped
     # with it below
@@ -540,9 +551,15 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float =
     ]
     saved -= {t for ts in gathered for t in ts}
     if cl.fuses_elementwise:
-        saved = fused_kept(g, saved) - {t for ts in gathered for t in ts}
+        # a value crossing into or out of a recomputed unit is kept as it is: the chain
+        # that made it is not rerun from its inputs, which are not kept
+        saved = fused_kept(g, saved, unit_edges(g, units)) - {t for ts in gathered for t in ts}
     kept = {t: size(t, produced[t]) for t in saved if t in produced}
-    work = max(working_set(low), *(sum(size(t, produced[t]) for t in ts) for ts in gathered), 0.0)
+    work = max(
+        working_set(low, None, cl.fuses_elementwise),
+        *(sum(size(t, produced[t]) for t in ts) for ts in gathered),
+        0.0,
+    )
     acts = scale * (sum(kept.values()) + work)
     if not cl.native_ragged_dot:
         acts = scale * _dense_ragged_peak(low, g, kept, work, not cl.fuses_elementwise)
@@ -553,6 +570,25 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float =
         if t in low.grad
     )
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
+
+
+def unit_edges(g, units: Mapping[int, object]) -> frozenset[int]:
+    """The values crossing a recomputed unit's edge (``units`` as :func:`recompute_groups`
+    gives them): made outside one and read inside it, or made inside one and read
+    outside. A fusing backend keeps them as they are (:func:`jscaler.cost.fusion.
+    fused_kept`): the backward reruns a unit from them, not the chain that made them."""
+    if not units:
+        return frozenset()
+    found = set()
+    for t in g.tensors:
+        op = g.producer(t)
+        home = units.get(op.id) if op is not None else None
+        if any(
+            units.get(r.id) != home and (home is not None or units.get(r.id) is not None)
+            for r in g.consumers(t)
+        ):
+            found.add(t)
+    return frozenset(found)
 
 
 def shared_params(g) -> dict[int, tuple]:
@@ -714,7 +750,7 @@ def recomputed_ops(plan: Plan) -> set[int]:
     return set(recompute_groups(plan))
 
 
-def working_set(low, scope: set[int] | None = None) -> float:
+def working_set(low, scope: set[int] | None = None, fuses: bool = False) -> float:
     """Bytes (before dtype scaling) the backward of one recomputed group holds at once,
     the largest over groups with an op in ``scope`` (default all): the group's values the
     backward reads, a coshard region inside it counting one colocated piece; a coshard
@@ -724,6 +760,8 @@ def working_set(low, scope: set[int] | None = None) -> float:
     sizes = plan.mesh.shape
     by_id = {op.id: op for op in g.ops}
     whole = saved_for_backward(g)
+    if fuses:  # a fusing backend's rerun layer holds only its materialised values
+        whole = fused_kept(g, whole)
 
     def kept(o):
         pairs = zip(by_id[o].outputs, low.ops[o].outputs)

@@ -91,11 +91,13 @@ def fused_op_bytes(g) -> dict[int, int]:
     return g.memo((fused_op_bytes,), make)
 
 
-def fused_kept(g, saved: set[int]) -> set[int]:
+def fused_kept(g, saved: set[int], whole: frozenset[int] = frozenset()) -> set[int]:
     """What a fusing backend keeps for the backward of ``saved``: a materialised value as
     it is; an intermediate of an elementwise chain is recomputed by the backward's fusion
-    from the chain's materialised inputs, which are kept instead."""
-    done = materialised(g)
+    from the chain's materialised inputs, which are kept instead. A value in ``whole``
+    (one crossing a recomputed layer's edge, which the backward does not remake from
+    values before it) is kept as it is."""
+    done = materialised(g) | whole
     kept, seen = set(), set()
     stack = list(saved)
     while stack:

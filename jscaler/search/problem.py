@@ -52,6 +52,7 @@ from jscaler.cost.estimate import (
     needs_grad,
     saved_for_backward,
     shared_params,
+    unit_edges,
 )
 from jscaler.cost.fusion import fused_kept, materialised
 from jscaler.cost.precision import compute_roofs, value_scale
@@ -241,7 +242,8 @@ def build_problem(
     whole = saved_for_backward(graph) if layers else set()  # what a recomputed layer remakes
     moves = None  # every tensor an op reads or writes moves through memory
     if cl.fuses_elementwise:  # as the estimate: only materialised ones, and kept
-        saved = fused_kept(graph, saved)
+        saved = fused_kept(graph, saved, unit_edges(graph, groups))
+        whole = fused_kept(graph, whole)
         moves = materialised(graph)
     scale = value_scale(dtype, graph)  # activations in the compute dtype
     first_reader: dict[int, int] = {}
