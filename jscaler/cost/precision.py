@@ -102,8 +102,9 @@ def aligned(g, op, itemsize: int) -> bool:
     """Whether a matrix product's ``m``, ``n`` and ``k`` (each the product of its dims, as
     XLA collapses them into one GEMM) are multiples of 16 bytes at ``itemsize``: the
     tensor cores' alignment, 4 elements of TF32, 8 of bf16. The backward contracts the
-    forward's ``m`` and ``n``, so all three count. Any other op is aligned."""
-    if op.primitive not in MATMULS:
+    forward's ``m`` and ``n``, so all three count. Any other op (or one without its
+    equation) is aligned."""
+    if op.primitive not in MATMULS or op.eqn is None:
         return True
     params = op.eqn.params
     if op.primitive == "dot_general":
@@ -115,8 +116,8 @@ def aligned(g, op, itemsize: int) -> bool:
         groups = tuple(rdn.rhs_group_dimensions)
     ls, rs = (g.tensors[t].shape for t in op.tensor_inputs[:2])
     per = 16 // itemsize
-    m = math.prod(n for i, n in enumerate(ls) if i not in (*lc, *lb))
-    n = math.prod(n for i, n in enumerate(rs) if i not in (*rc, *rb, *groups))
+    m = math.prod(d for i, d in enumerate(ls) if i not in (*lc, *lb))
+    n = math.prod(d for i, d in enumerate(rs) if i not in (*rc, *rb, *groups))
     k = math.prod(ls[i] for i in lc)
     return not (m % per or n % per or k % per)
 
