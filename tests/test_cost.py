@@ -90,6 +90,25 @@ def test_pipeline_estimate_runs_the_schedule_on_stage_costs(gpt):
     assert estimate_pipeline(alpa, "dgx2_v100", microbatches=8).step_time > 0
 
 
+def test_a_pipeline_reruns_a_recomputed_layer_fused(gpt):
+    """A stage's forward program returns JAX's residuals, fused or not; a recomputed
+    layer is rerun inside the backward program, where a fusing backend (the H200 preset,
+    not the V100 one) keeps only its materialised values, as in one SPMD step."""
+    from jscaler.cost import estimate_pipeline
+
+    spec, batch = gpt
+    graph = jscaler.trace(spec.loss, spec.init(0), batch)
+
+    def acts(space, cluster):
+        plan = space(graph, 8)
+        return estimate_pipeline(plan, cluster, microbatches=2).memory["activations"]
+
+    plain = megatron(pp=2)
+    assert acts(plain, "h200") == pytest.approx(acts(plain, "dgx2_v100"))
+    rerun = megatron(pp=2, recompute=1)
+    assert acts(rerun, "h200") < 0.9 * acts(rerun, "dgx2_v100")
+
+
 def test_coshard_keeps_one_piece_of_a_recomputed_layer():
     from spaces import coshard
 

@@ -398,7 +398,8 @@ def _group_memory(
             if t in saved and not isinstance(t, Literal)
         ]
         stage_bytes.append((s, sum(size(t, lay) for t, lay in outs)))
-    working = scale * working_set(low, {o.id for o in mine})
+    # a recomputed layer is rerun inside the backward program, one XLA step: fused there
+    working = scale * working_set(low, {o.id for o in mine}, cl.fuses_elementwise)
     return _GroupMemory(
         state * p_bytes, state * grads, opt, batch, scale, tuple(stage_bytes), working
     )
