@@ -549,11 +549,12 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float =
         [t for o in unit if o.kind == "identity" for t in o.outputs]
         for unit in reshard_units(low, list(g.ops)).values()
     ]
-    saved -= {t for ts in gathered for t in ts}
+    dropped = {t for ts in gathered for t in ts}
+    saved -= dropped
     if cl.fuses_elementwise:
         # a value crossing into or out of a recomputed unit is kept as it is: the chain
         # that made it is not rerun from its inputs, which are not kept
-        saved = fused_kept(g, saved, unit_edges(g, units)) - {t for ts in gathered for t in ts}
+        saved = fused_kept(g, saved, unit_edges(g, units)) - dropped
     kept = {t: size(t, produced[t]) for t in saved if t in produced}
     work = max(
         working_set(low, None, cl.fuses_elementwise),
@@ -583,10 +584,7 @@ def unit_edges(g, units: Mapping[int, object]) -> frozenset[int]:
     for t in g.tensors:
         op = g.producer(t)
         home = units.get(op.id) if op is not None else None
-        if any(
-            units.get(r.id) != home and (home is not None or units.get(r.id) is not None)
-            for r in g.consumers(t)
-        ):
+        if any(units.get(r.id) != home for r in g.consumers(t)):
             found.add(t)
     return frozenset(found)
 
