@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -91,7 +92,8 @@ def test_pipeline_estimate_runs_the_schedule_on_stage_costs(gpt):
 
 
 def test_a_pipeline_reruns_a_recomputed_layer_fused(gpt):
-    """A stage's forward program returns JAX's residuals, fused or not; a recomputed
+    """A stage's forward program returns JAX's residuals, fused or not (the backward's
+    own buffers differ: a fusing backend materialises fewer cotangents); a recomputed
     layer is rerun inside the backward program, where a fusing backend (the H200 preset,
     not the V100 one) keeps only its materialised values, as in one SPMD step."""
     from jscaler.cost import estimate_pipeline
@@ -104,7 +106,7 @@ def test_a_pipeline_reruns_a_recomputed_layer_fused(gpt):
         return estimate_pipeline(plan, cluster, microbatches=2).memory["activations"]
 
     plain = megatron(pp=2)
-    assert acts(plain, "h200") == pytest.approx(acts(plain, "dgx2_v100"))
+    assert acts(plain, "h200") == pytest.approx(acts(plain, "dgx2_v100"), rel=0.02)
     rerun = megatron(pp=2, recompute=1)
     assert acts(rerun, "h200") < 0.9 * acts(rerun, "dgx2_v100")
 
@@ -213,3 +215,38 @@ def test_a_backend_without_a_grouped_matmul_keeps_each_ragged_dots_expanded_rows
         native = estimate(trainer.plan, dataclasses.replace(cpu, native_ragged_dot=True))
         assert dense["activations"] >= native.memory["activations"] + kept[ep]
     assert kept[2] == 2 * kept[4]  # 2 and 1 local experts of 4
+
+
+def test_a_product_with_a_constant_keeps_only_the_constant():
+    """JAX's transpose of ``y * c`` reads ``c`` alone: ``y`` is kept only where ``c``
+    needs a gradient too (RoPE's ``q * cos``, GELU's ``* 0.5``, BERT's head mask kept
+    ``q`` and the probabilities in the estimate, not in XLA)."""
+    from jscaler.cost.estimate import saved_for_backward
+
+    def kept(loss):
+        params = {"w": jnp.ones((8, 8)), "v": jnp.ones((8, 8))}
+        g = jscaler.trace(loss, params, {"x": jnp.ones((4, 8)), "t": jnp.ones((4, 8))})
+        made = {o.outputs[0]: o.primitive for o in g.ops}
+        return sorted(made[t] for t in saved_for_backward(g))
+
+    # y = x @ w is read by the product alone; cos(t) needs no gradient
+    assert kept(lambda p, b: ((b["x"] @ p["w"]) * jnp.cos(b["t"])).sum()) == ["cos"]
+    # both factors need one: each is read for the other's gradient
+    both = lambda p, b: ((b["x"] @ p["w"]) * (b["t"] @ p["v"])).sum()  # noqa: E731
+    assert kept(both) == ["dot_general", "dot_general"]
+
+
+def test_the_backward_holds_the_logits_cotangent_beside_the_head_gradient():
+    """At the loss head the backward holds the logits' cotangent and the head's weight
+    gradient while nearly every kept value is still alive (XLA:CPU, Hugging Face BERT
+    under Megatron: 213 KB of a 1.10 MB peak temp); a head whose weight dwarfs its kept
+    values is charged both."""
+
+    def loss(p, batch):
+        logits = batch["x"] @ p["w"]
+        return (jax.nn.logsumexp(logits, axis=-1) - logits[:, 0]).mean()
+
+    params = {"w": jnp.ones((64, 4096))}
+    g = jscaler.trace(loss, params, {"x": jnp.ones((8, 64))})
+    acts = estimate(dp()(g, 1), "cpu").memory["activations"]
+    assert acts >= 4 * (8 * 4096 + 64 * 4096)  # the logits' cotangent, the weight's gradient

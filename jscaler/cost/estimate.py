@@ -23,10 +23,14 @@
 * **Memory per device**: parameters and optimizer state in their stored and update
   layouts and the batch, held throughout; then the larger of two phases. The backward
   pass holds the activations it keeps: every forward value a non-linear consumer reads
-  (a matmul's operands, an exp's output ...), in its layout, except values made and read
-  inside one recomputed layer or coshard region (the backward reruns it from its
-  inputs); plus the working set of the largest recomputed group while its backward runs
-  (a coshard region inside it counts one colocated piece: the pieces run one at a time).
+  for a gradient (a matmul's operand where the other needs one, an exp's output ...; a
+  product with a constant reads the constant alone, as JAX's transpose does), in its
+  layout, except values made and read inside one recomputed layer or coshard region (the
+  backward reruns it from its inputs); plus the larger of the working set of the largest
+  recomputed group while its backward runs (a coshard region inside it counts one
+  colocated piece: the pieces run one at a time) and the backward's own buffers at an
+  op, its cotangents and weight gradient less the kept values already freed
+  (:func:`cotangent_extra`: at the loss head, the logits' cotangent).
   The gradient reduction after it holds every gradient as the backward made it (partial
   sums over data parallelism, in the layout the forward read the parameter in: ZeRO-3's
   gathered one), since XLA combines a step's reductions into one collective, and their
@@ -58,7 +62,7 @@ from jscaler.compile.lower import lower
 from jscaler.compile.reshard import reshard_units
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import Combined, collective_time
-from jscaler.cost.fusion import fused_kept, fused_op_bytes, kernels
+from jscaler.cost.fusion import fused_kept, fused_op_bytes, kernels, materialised
 from jscaler.cost.precision import compute_roofs, row_scale, state_scale, value_scale
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Literal
@@ -69,6 +73,7 @@ __all__ = [
     "Estimate",
     "RaggedExpansion",
     "check_expert_skew",
+    "cotangent_extra",
     "estimate",
     "needs_grad",
     "roofline_seconds",
@@ -96,6 +101,11 @@ INDEXED = {"scatter", "scatter-add", "scatter_add"}
 # ops that show a parameter in another layout without computing a new value (a ZeRO-3
 # gather makes a new buffer: the reshard rule in _memory decides whether it is kept)
 PARAM_VIEWS = {"transpose", "reshape", "squeeze", "expand_dims", "copy"}
+
+# products: the transpose of one operand's product reads only the others (JAX's of
+# ``x * c`` reads ``c``), so an operand is read only for another operand's gradient
+# (a division reads its numerator only for the denominator's)
+PRODUCTS = {"mul", "dot_general", "conv_general_dilated"}
 
 # ops whose derivative is their output: the backward reads the output, not the inputs
 OWN_OUTPUT = {"exp", "tanh", "logistic", "sqrt", "rsqrt", "exp2"}
@@ -237,9 +247,14 @@ def _find_backward_reads(graph) -> tuple[tuple, tuple]:
         if op.primitive in OWN_OUTPUT:
             own.append((op.id, op.outputs))
             continue
-        for t in op.tensor_inputs:
+        operands = [(k, t) for k, t in enumerate(op.inputs) if not isinstance(t, Literal)]
+        for k, t in operands:
             if op.primitive in INDEXED and jnp.issubdtype(graph.tensors[t].dtype, jnp.inexact):
                 continue
+            if op.primitive in PRODUCTS or (op.primitive == "div" and k == 0):
+                # x * c: the transpose reads c alone; x is read for c's gradient
+                if not any(u in needs for j, u in operands if j != k):
+                    continue
             reads.append((t, producer.get(t), op.id))
     return tuple(reads), tuple(own)
 
@@ -561,9 +576,12 @@ def _memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float =
         *(sum(size(t, produced[t]) for t in ts) for ts in gathered),
         0.0,
     )
-    acts = scale * (sum(kept.values()) + work)
+    # the backward's own buffers where it starts, or a recomputed layer's working set
+    extra = cotangent_extra(low, g, g.ops, kept, cl.fuses_elementwise)
+    acts = scale * (sum(kept.values()) + max(work, extra))
     if not cl.native_ragged_dot:
-        acts = scale * _dense_ragged_peak(low, g, kept, work, not cl.fuses_elementwise)
+        masks = not cl.fuses_elementwise
+        acts = scale * _dense_ragged_peak(low, g, kept, work, extra, masks)
     reduced = state * sum(reduced_bytes(low, t, cl) for t in low.grad)
     reduced += state * sum(
         2 * (len(readers) - 1) * size(t, unreduced_grad(low, t))
@@ -678,18 +696,19 @@ def ragged_expansions(low, masks: bool = True) -> list[RaggedExpansion]:
     return [RaggedExpansion(*v) for v in found.values()]
 
 
-def _dense_ragged_peak(low, g, kept: dict, work: float, masks: bool) -> float:
+def _dense_ragged_peak(low, g, kept: dict, work: float, extra: float, masks: bool) -> float:
     """The activations' peak with dense ragged_dots (:func:`ragged_expansions`): the
-    larger of the forward's end (every kept value and expansion, the largest working
-    set) and the backward of each lhs's ragged_dots, when the values made after them
-    have been read and freed: what the forward kept before them, their expansions and
-    the earlier ones, and their cotangents' expansions."""
+    largest of the forward's end (every kept value and expansion, the largest working
+    set, or the backward's buffers where it starts: ``extra``, :func:`cotangent_extra`)
+    and the backward of each lhs's ragged_dots, when the values made after them have
+    been read and freed: what the forward kept before them, their expansions and the
+    earlier ones, and their cotangents' expansions."""
     found = ragged_expansions(low, masks)
     if not found:
-        return sum(kept.values()) + work
+        return sum(kept.values()) + max(work, extra)
     position = {t: pos for pos, op in enumerate(g.ops) for t in op.outputs}
     expanded = sum(e.kept for e in found)
-    end = sum(kept.values()) + expanded + max(work, *(e.forward for e in found))
+    end = sum(kept.values()) + expanded + max(work, extra, *(e.forward for e in found))
     during = max(
         sum(b for t, b in kept.items() if position[t] < e.first)
         + sum(o.kept for o in found if o.first <= e.first)
@@ -697,6 +716,50 @@ def _dense_ragged_peak(low, g, kept: dict, work: float, masks: bool) -> float:
         for e in found
     )
     return max(end, during)
+
+
+def cotangent_extra(low, g, ops, kept: Mapping[int, float], fuses: bool) -> float:
+    """Bytes (per device, before dtype scaling) the backward holds beyond ``kept`` (tensor
+    -> bytes, the values ``ops`` keep for it) while it runs one of ``ops`` (in forward
+    order): that op's cotangents, of its outputs and of its inputs a gradient flows to (a
+    weight's gradient), in the op's layouts, while the values made after it have been read
+    and freed; on a fusing backend only the :func:`~jscaler.cost.fusion.materialised`
+    ones. The largest over ``ops``, at least 0. At the backward's start, the loss head,
+    this is the logits' cotangent and the LM head's weight gradient beside nearly every
+    kept value (measured on XLA:CPU, Hugging Face BERT ``megatron(tp=2)``: 213 KB of its
+    1.10 MB peak temp in the logits' cotangent, the decoder's weight gradient and the
+    embedding's scatter-add)."""
+    sizes = low.plan.mesh.shape
+    needs = needs_grad(g)
+    done = materialised(g) if fuses else None
+    made = {t: i for i, op in enumerate(ops) for t in op.outputs}
+    after = [0.0] * (len(ops) + 1)  # kept values made by ops[i:]
+    for t, b in kept.items():
+        if t in made:
+            after[made[t]] += b
+    for i in range(len(ops) - 1, -1, -1):
+        after[i] += after[i + 1]
+    best = 0.0
+    for i, op in enumerate(ops):
+        if op.primitive in NON_DIFFERENTIABLE or not any(t in needs for t in op.outputs):
+            continue
+        if op.primitive in PARAM_VIEWS and _weight_view(g, op.outputs[0]):
+            continue  # the weight's gradient, counted at the op reading the view
+        lay = low.ops[op.id]
+        pairs = (*zip(op.outputs, lay.outputs), *zip(op.inputs, lay.inputs))
+        cot = sum(
+            local_bytes(g, t, layout, sizes)
+            for t, layout in pairs
+            if not isinstance(t, Literal) and t in needs and (done is None or t in done)
+        )
+        best = max(best, cot - after[i + 1])
+    return best
+
+
+def _weight_view(g, t: int) -> bool:
+    """Whether ``t`` is a parameter, or a ZeRO-3 gathered one, seen through
+    :data:`PARAM_VIEWS` (XLA folds the view into the matmul reading it)."""
+    return g.param_behind(t, PARAM_VIEWS) is not None or gathered_view(g, t) is not None
 
 
 def reduced_bytes(low, t: int, cl: Cluster) -> float:

@@ -37,6 +37,7 @@ from jscaler.cost.collective import Combined, collective_time
 from jscaler.cost.estimate import (
     Estimate,
     check_expert_skew,
+    cotangent_extra,
     device_times,
     flops_of,
     local_bytes,
@@ -388,18 +389,20 @@ def _group_memory(
     # the residuals a stage's forward program returns are what JAX's vjp saves, not what
     # XLA would keep in one fused step: Cluster.fuses_elementwise does not apply to them
     saved = saved_for_backward(g, recompute_groups(gp), views=True)
-    stage_bytes = []
+    stage_bytes, extra = [], 0.0
     for s in stages:
-        outs = [
-            (t, lay)
-            for o in mine
-            if stage_of[o.id] == s and pass_of[o.id] == last
+        ops = [o for o in mine if stage_of[o.id] == s and pass_of[o.id] == last]
+        kept = {
+            t: size(t, lay)
+            for o in ops
             for t, lay in zip(o.outputs, low.ops[o.id].outputs)
             if t in saved and not isinstance(t, Literal)
-        ]
-        stage_bytes.append((s, sum(size(t, lay) for t, lay in outs)))
+        }
+        stage_bytes.append((s, sum(kept.values())))
+        # a micro-batch's backward holds its cotangents beside the residuals not yet freed
+        extra = max(extra, cotangent_extra(low, g, ops, kept, cl.fuses_elementwise))
     # a recomputed layer is rerun inside the backward program, one XLA step: fused there
-    working = scale * working_set(low, {o.id for o in mine}, cl.fuses_elementwise)
+    working = scale * max(extra, working_set(low, {o.id for o in mine}, cl.fuses_elementwise))
     return _GroupMemory(
         state * p_bytes, state * grads, opt, batch, scale, tuple(stage_bytes), working
     )

@@ -19,8 +19,10 @@ strategy per op fixes every tensor's layout on the mesh, hence:
   the layout that reader wants (parameters are stored as read);
 * a **peak** per phase of the step beyond what is kept throughout, as the estimate has
   them: each recomputed layer's backward (the values of the layer the backward reads,
-  made again by its recomputed forward: the estimate's working set), and the gradient
-  reduction after the backward (every parameter's gradient as the backward made it and
+  made again by its recomputed forward: the estimate's working set), the backward's own
+  buffers at an op near the loss head (its cotangents and weight gradient, less the
+  values kept by the ops after it, which the backward has freed: the estimate's
+  ``cotangent_extra``), and the gradient reduction after the backward (every parameter's gradient as the backward made it and
   reduced, the kept activations gone). A device's memory is the sum of the kept bytes
   (parameters, optimizer state, activations kept for the backward) plus the largest
   peak.
@@ -354,6 +356,7 @@ def build_problem(
         for k, table in enumerate((node, hidden, backward, memory, reduction)):
             table.append([sum(c[k] for c in cs) for cs in costs])
     peaks = _peaks(graph, mesh, layers, ops, where, strategies, whole, scale)
+    peaks += _cotangent_phases(graph, mesh, where, strategies, saved, moves, scale)
     peaks.append(dict(enumerate(reduction)))  # the gradient reduction after the backward
     ties = []
     for x, readers in sorted(tied.items()):
@@ -479,6 +482,73 @@ def _peaks(graph, mesh, layers, ops, where, strategies, whole, scale) -> list[di
         if peak and key not in seen:
             seen.add(key)
             out.append(peak)
+    return out
+
+
+def _cotangent_phases(graph, mesh, where, strategies, saved, moves, scale) -> list[dict]:
+    """Per differentiable op whose backward may hold more than the kept values it has
+    freed: {cluster: bytes per strategy} of its cotangents (its outputs' and the inputs a
+    gradient flows to, in its layouts; only ``moves``, the materialised tensors, where
+    not None) less the values kept by the ops after it, as the estimate's
+    :func:`~jscaler.cost.estimate.cotangent_extra` counts them. An op whose largest
+    cotangents cannot exceed the least the ops after it keep gives none."""
+    sizes = mesh.shape
+    needs = needs_grad(graph)
+
+    def row(op, tensors, output: bool, counted) -> list[float]:
+        c, ann = where[op.id], op.annotation
+        out = []
+        for s in strategies[c]:
+            total = 0.0
+            for k, x in enumerate(tensors):
+                if isinstance(x, Literal) or not counted(x):
+                    continue
+                lay = None
+                if ann is not None:
+                    dims = (ann.outputs if output else ann.inputs)[k]
+                    lay = layout(dims, s, mesh, ann.kinds, output)
+                total += scale * local_bytes(graph, x, lay, sizes)
+            out.append(total)
+        return out
+
+    def flows(x) -> bool:
+        return x in needs and (moves is None or x in moves)
+
+    kept = [row(op, op.outputs, True, saved.__contains__) for op in graph.ops]
+    n = len(graph.ops)
+    least_after, most_after = [0.0] * (n + 1), [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        least_after[i] = least_after[i + 1] + min(kept[i])
+        most_after[i] = most_after[i + 1] + max(kept[i])
+    cots = {}
+    for i, op in enumerate(graph.ops):
+        if op.primitive not in NON_DIFFERENTIABLE and any(t in needs for t in op.outputs):
+            outs, ins = row(op, op.outputs, True, flows), row(op, op.inputs, False, flows)
+            cots[i] = [a + b for a, b in zip(outs, ins)]
+    # a phase no choice can make fuller than 0 or than another phase under every choice;
+    # nor one of an op whose cluster has an op after it with cotangents as large under
+    # each strategy (a repeated layer's: only the last layer's can be the fullest)
+    floor = max([0.0, *(min(c) - most_after[i + 1] for i, c in cots.items())])
+    later: dict[int, list] = {}
+    chosen = []
+    for i in sorted(cots, reverse=True):
+        cot, c = cots[i], where[graph.ops[i].id]
+        if max(cot) - least_after[i + 1] <= floor:
+            continue
+        if any(all(a <= b for a, b in zip(cot, big)) for big in later.get(c, ())):
+            continue
+        later.setdefault(c, []).append(cot)
+        chosen.append(i)
+    out = []
+    for i in sorted(chosen):
+        cot, op = cots[i], graph.ops[i]
+        phase = {where[op.id]: cot}
+        for j in range(i + 1, n):
+            c = where[graph.ops[j].id]
+            if any(kept[j]):
+                prev = phase.get(c, [0.0] * len(kept[j]))
+                phase[c] = [a - b for a, b in zip(prev, kept[j])]
+        out.append(phase)
     return out
 
 
