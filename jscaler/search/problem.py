@@ -22,10 +22,10 @@ strategy per op fixes every tensor's layout on the mesh, hence:
   made again by its recomputed forward: the estimate's working set), the backward's own
   buffers at an op near the loss head (its cotangents and weight gradient, less the
   values kept by the ops after it, which the backward has freed: the estimate's
-  ``cotangent_extra``), and the gradient reduction after the backward (every parameter's gradient as the backward made it and
-  reduced, the kept activations gone). A device's memory is the sum of the kept bytes
-  (parameters, optimizer state, activations kept for the backward) plus the largest
-  peak.
+  ``cotangent_extra``), and the gradient reduction after the backward (every
+  parameter's gradient as the backward made it and reduced, the kept activations gone).
+  A device's memory is the sum of the kept bytes (parameters, optimizer state,
+  activations kept for the backward) plus the largest peak.
 
 Ops of repeated layers at the same position form one *cluster* sharing a strategy (the
 i-th op of every block), so a model's depth does not grow the problem; a tensor passing
