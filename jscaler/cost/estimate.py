@@ -74,6 +74,7 @@ __all__ = [
     "RaggedExpansion",
     "check_expert_skew",
     "cotangent_extra",
+    "holds_cotangents",
     "estimate",
     "needs_grad",
     "roofline_seconds",
@@ -741,10 +742,8 @@ def cotangent_extra(low, g, ops, kept: Mapping[int, float], fuses: bool) -> floa
         after[i] += after[i + 1]
     best = 0.0
     for i, op in enumerate(ops):
-        if op.primitive in NON_DIFFERENTIABLE or not any(t in needs for t in op.outputs):
+        if not holds_cotangents(g, op):
             continue
-        if op.primitive in PARAM_VIEWS and _weight_view(g, op.outputs[0]):
-            continue  # the weight's gradient, counted at the op reading the view
         lay = low.ops[op.id]
         pairs = (*zip(op.outputs, lay.outputs), *zip(op.inputs, lay.inputs))
         cot = sum(
@@ -756,10 +755,18 @@ def cotangent_extra(low, g, ops, kept: Mapping[int, float], fuses: bool) -> floa
     return best
 
 
-def _weight_view(g, t: int) -> bool:
-    """Whether ``t`` is a parameter, or a ZeRO-3 gathered one, seen through
-    :data:`PARAM_VIEWS` (XLA folds the view into the matmul reading it)."""
-    return g.param_behind(t, PARAM_VIEWS) is not None or gathered_view(g, t) is not None
+def holds_cotangents(g, op) -> bool:
+    """Whether ``op``'s backward holds cotangents of its own (:func:`cotangent_extra`):
+    it is differentiable, a gradient flows through it, and it is not a view of a weight
+    (a parameter or a ZeRO-3 gathered one through :data:`PARAM_VIEWS`: XLA folds the view
+    into the matmul reading it, whose weight gradient is the weight's)."""
+    needs = needs_grad(g)
+    if op.primitive in NON_DIFFERENTIABLE or not any(t in needs for t in op.outputs):
+        return False
+    if op.primitive in PARAM_VIEWS:
+        t = op.outputs[0]
+        return g.param_behind(t, PARAM_VIEWS) is None and gathered_view(g, t) is None
+    return True
 
 
 def reduced_bytes(low, t: int, cl: Cluster) -> float:

@@ -38,6 +38,7 @@ nothing overlaps (every device runs the same SPMD program).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
 from jscaler.cost.estimate import (
     CONTRACTIONS,
+    holds_cotangents,
     local_bytes,
     needs_grad,
     saved_for_backward,
@@ -277,7 +279,8 @@ def build_problem(
 
     def node_cost(op: Op, s: Strategy, zero: bool = False) -> tuple[float, ...]:
         """(seconds exposed, seconds of parameter-gradient reduction, backward seconds,
-        bytes kept, bytes at the gradient reduction beyond the kept ones); ``zero``: the
+        bytes kept, bytes at the gradient reduction beyond the kept ones, activation
+        bytes kept, bytes of its cotangents in the backward); ``zero``: the
         parameters it reads first (whole) are ZeRO-2 sharded over every mesh axis:
         gradients reduce-scattered, the update and its state split, the new parameters
         all-gathered."""
@@ -291,9 +294,13 @@ def build_problem(
         once = max(op.flops * share / roofs[op.id], moved * share / cl.memory_bandwidth)
         again = 1.0 if op.id in recomputed and diff else 0.0
         t, grads, mem, kept, held = (1 + back + again) * once, 0.0, 0.0, 0.0, 0.0
+        cot = 0.0  # the cotangents its backward holds (a weight's gradient among them)
+        holds = diff and holds_cotangents(graph, op)
         if ann is None:
             kept = scale * sum(nbytes(x) for x in op.outputs if x in saved)
-            return t, 0.0, back * once, kept, -kept
+            if holds:
+                cot = scale * sum(nbytes(x) for x in (*op.outputs, *op.inputs) if flows(x))
+            return t, 0.0, back * once, kept, -kept, kept, cot
         used = {a for a, d in zip(names, s) if d is not None}
         for dims, x in zip(ann.outputs, op.outputs):
             lay = layout(dims, s, mesh, ann.kinds, True)
@@ -301,10 +308,14 @@ def build_problem(
                 t += coll("all-reduce", local(x, lay), lay.partial)
             if x in saved:
                 kept += scale * local(x, lay)
+            if holds and flows(x):
+                cot += scale * local(x, lay)
         for dims, x in zip(ann.inputs, op.inputs):
             if isinstance(x, Literal):
                 continue
             lay = layout(dims, s, mesh, ann.kinds, False)
+            if holds and flows(x):
+                cot += scale * local(x, lay)
             missing = tuple(sorted(used - lay.axes_used()))
             param = graph.tensors[x].role == "param"
             sharded = zero and param and first_reader.get(x) == op.id and not lay.axes_used()
@@ -329,7 +340,14 @@ def build_problem(
                 mem += size + optimizer_slots * size / k
                 if x in needs:
                     held += _reduction_bytes(len(tied.get(x, (x,))), size, k)
-        return t, grads, back * once, mem + kept, held - kept
+        return t, grads, back * once, mem + kept, held - kept, kept, cot
+
+    def flows(x) -> bool:
+        """Whether ``x`` carries a cotangent the backward holds (materialised, on a
+        fusing backend)."""
+        if isinstance(x, Literal) or x not in needs:
+            return False
+        return moves is None or x in moves
 
     def zero_ok(op: Op, s: Strategy) -> bool:
         """Whether ZeRO-2 applies: the op first-reads a parameter whole, with a dim the
@@ -346,6 +364,7 @@ def build_problem(
         return False
 
     strategies, node, hidden, backward, memory, reduction, zeros = [], [], [], [], [], [], []
+    acts, cots = {}, {}  # op id -> per strategy of its cluster: kept, cotangent bytes
     for ids in clusters:
         base = _strategies(ops[ids[0]], mesh)
         plain = [(s, False) for s in base]
@@ -355,8 +374,11 @@ def build_problem(
         zeros.append([z for _, z in strats])
         for k, table in enumerate((node, hidden, backward, memory, reduction)):
             table.append([sum(c[k] for c in cs) for cs in costs])
+        for i, o in enumerate(ids):
+            acts[o] = [cs[i][5] for cs in costs]
+            cots[o] = [cs[i][6] for cs in costs]
     peaks = _peaks(graph, mesh, layers, ops, where, strategies, whole, scale)
-    peaks += _cotangent_phases(graph, mesh, where, strategies, saved, moves, scale)
+    peaks += _cotangent_phases(graph, where, acts, cots)
     peaks.append(dict(enumerate(reduction)))  # the gradient reduction after the backward
     ties = []
     for x, readers in sorted(tied.items()):
@@ -485,69 +507,54 @@ def _peaks(graph, mesh, layers, ops, where, strategies, whole, scale) -> list[di
     return out
 
 
-def _cotangent_phases(graph, mesh, where, strategies, saved, moves, scale) -> list[dict]:
-    """Per differentiable op whose backward may hold more than the kept values it has
-    freed: {cluster: bytes per strategy} of its cotangents (its outputs' and the inputs a
-    gradient flows to, in its layouts; only ``moves``, the materialised tensors, where
-    not None) less the values kept by the ops after it, as the estimate's
-    :func:`~jscaler.cost.estimate.cotangent_extra` counts them. An op whose largest
-    cotangents cannot exceed the least the ops after it keep gives none."""
-    sizes = mesh.shape
-    needs = needs_grad(graph)
-
-    def row(op, tensors, output: bool, counted) -> list[float]:
-        c, ann = where[op.id], op.annotation
-        out = []
-        for s in strategies[c]:
-            total = 0.0
-            for k, x in enumerate(tensors):
-                if isinstance(x, Literal) or not counted(x):
-                    continue
-                lay = None
-                if ann is not None:
-                    dims = (ann.outputs if output else ann.inputs)[k]
-                    lay = layout(dims, s, mesh, ann.kinds, output)
-                total += scale * local_bytes(graph, x, lay, sizes)
-            out.append(total)
-        return out
-
-    def flows(x) -> bool:
-        return x in needs and (moves is None or x in moves)
-
-    kept = [row(op, op.outputs, True, saved.__contains__) for op in graph.ops]
-    n = len(graph.ops)
+def _cotangent_phases(graph, where, acts: dict, cots: dict) -> list[dict]:
+    """Per op whose backward may hold more than the kept values it has freed: {cluster:
+    bytes per strategy} of its cotangents (``cots``: op id -> bytes per strategy of its
+    cluster; its outputs' and the inputs a gradient flows to, in its layouts) less the
+    values kept (``acts``, alike) by the ops after it, as the estimate's
+    :func:`~jscaler.cost.estimate.cotangent_extra` counts them. None for an op no choice
+    can make fuller than 0 or than another op's under every choice, nor for one whose
+    cluster has an op after it with cotangents as large under each strategy (a repeated
+    layer's: only the last layer's can be the fullest)."""
+    ids = [op.id for op in graph.ops]
+    n = len(ids)
     least_after, most_after = [0.0] * (n + 1), [0.0] * (n + 1)
     for i in range(n - 1, -1, -1):
-        least_after[i] = least_after[i + 1] + min(kept[i])
-        most_after[i] = most_after[i + 1] + max(kept[i])
-    cots = {}
-    for i, op in enumerate(graph.ops):
-        if op.primitive not in NON_DIFFERENTIABLE and any(t in needs for t in op.outputs):
-            outs, ins = row(op, op.outputs, True, flows), row(op, op.inputs, False, flows)
-            cots[i] = [a + b for a, b in zip(outs, ins)]
-    # a phase no choice can make fuller than 0 or than another phase under every choice;
-    # nor one of an op whose cluster has an op after it with cotangents as large under
-    # each strategy (a repeated layer's: only the last layer's can be the fullest)
-    floor = max([0.0, *(min(c) - most_after[i + 1] for i, c in cots.items())])
+        least_after[i] = least_after[i + 1] + min(acts[ids[i]])
+        most_after[i] = most_after[i + 1] + max(acts[ids[i]])
+    live = [i for i in range(n) if any(cots[ids[i]])]
+    floor = max([0.0, *(min(cots[ids[i]]) - most_after[i + 1] for i in live)])
     later: dict[int, list] = {}
     chosen = []
-    for i in sorted(cots, reverse=True):
-        cot, c = cots[i], where[graph.ops[i].id]
+    for i in reversed(live):
+        cot, c = cots[ids[i]], where[ids[i]]
         if max(cot) - least_after[i + 1] <= floor:
             continue
         if any(all(a <= b for a, b in zip(cot, big)) for big in later.get(c, ())):
             continue
         later.setdefault(c, []).append(cot)
         chosen.append(i)
+    if not chosen:
+        return []
+    # per cluster, the kept bytes of its ops from position i on, at each of its positions
+    suffix: dict[int, list] = {}
+    for i in range(n - 1, min(chosen), -1):
+        row = acts[ids[i]]
+        if any(row):
+            c = where[ids[i]]
+            prev = suffix[c][-1][1] if c in suffix else [0.0] * len(row)
+            suffix.setdefault(c, []).append((i, [a + b for a, b in zip(prev, row)]))
+    keys = {c: [-pos for pos, _ in rows] for c, rows in suffix.items()}
     out = []
     for i in sorted(chosen):
-        cot, op = cots[i], graph.ops[i]
-        phase = {where[op.id]: cot}
-        for j in range(i + 1, n):
-            c = where[graph.ops[j].id]
-            if any(kept[j]):
-                prev = phase.get(c, [0.0] * len(kept[j]))
-                phase[c] = [a - b for a, b in zip(prev, kept[j])]
+        phase = {where[ids[i]]: list(cots[ids[i]])}
+        for c, rows in suffix.items():
+            # rows run from the last position back: the last of those past i
+            k = bisect.bisect_left(keys[c], -i) - 1
+            if k < 0:
+                continue
+            prev = phase.get(c, [0.0] * len(rows[k][1]))
+            phase[c] = [a - b for a, b in zip(prev, rows[k][1])]
         out.append(phase)
     return out
 
@@ -584,14 +591,14 @@ def _least(memory, peaks, unit) -> float:
 
 def no_fit(mesh: MeshSpec, capacity: float, memory: list[list[float]], peaks=()) -> PlanError:
     """The error of a problem no strategy choice fits (``memory``: bytes per cluster
-    and strategy; ``peaks``: the recomputed layers' :attr:`Problem.peaks`)."""
+    and strategy; ``peaks``: the phases' :attr:`Problem.peaks`)."""
     least = least_memory(memory, peaks)
     return OutOfMemoryError(
         f"no plan on mesh {mesh} fits {capacity / 2**30:.2f} GiB per device: every "
         f"strategy choice needs {least / 2**30:.2f} GiB or more (parameter state, "
         f"activations kept for the backward pass, a recomputed layer's while its backward "
-        f"runs, gradients at their reduction); add devices, recompute, or use pipeline "
-        f"stages"
+        f"runs, the backward's cotangents beside them, gradients at their reduction); add "
+        f"devices, recompute, or use pipeline stages"
     )
 
 
