@@ -295,7 +295,7 @@ def build_problem(
         again = 1.0 if op.id in recomputed and diff else 0.0
         t, grads, mem, kept, held = (1 + back + again) * once, 0.0, 0.0, 0.0, 0.0
         cot = 0.0  # the cotangents its backward holds (a weight's gradient among them)
-        holds = diff and holds_cotangents(graph, op)
+        holds = op.id in holding
         if ann is None:
             kept = scale * sum(nbytes(x) for x in op.outputs if x in saved)
             if holds:
@@ -341,6 +341,9 @@ def build_problem(
                 if x in needs:
                     held += _reduction_bytes(len(tied.get(x, (x,))), size, k)
         return t, grads, back * once, mem + kept, held - kept, kept, cot
+
+    # ops whose backward holds cotangents of their own: once per op, not per strategy
+    holding = {o.id for o in graph.ops if holds_cotangents(graph, o)}
 
     def flows(x) -> bool:
         """Whether ``x`` carries a cotangent the backward holds (materialised, on a
