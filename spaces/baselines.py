@@ -7,7 +7,7 @@
   gradient and optimizer state split further over dp, gathered for use).
 * ``alpa_like(pp, cluster)``: Alpa's plan as the paper ran it: the repeated layers in ``pp``
   even stages, and inside each stage's devices the intra-operator plan an ILP picks
-  (``jscaler.intra_op``: every op's split chosen by CP-SAT from the cost model of
+  (``jscaler.intra_op``: every op's split chosen by HiGHS from the cost model of
   ``cluster``). The paper's baseline configuration used even stages (the default);
   ``slicing="dp"`` cuts them as Alpa's dynamic programming does
   (``jscaler.search.slice_stages``: balanced by the cost model's layer costs).
@@ -104,7 +104,7 @@ def alpa_like(
     op-assign ILP's plan for ``cluster`` (on ``mesh``, default one axis over the stage's
     devices), costed in ``dtype`` with ``optimizer_slots`` fp32 values of optimizer state
     per parameter; ``recompute``: the fraction of repeated layers checkpointed in the
-    searched plan; ``time_limit``: the ILP's deterministic-time limit per stage mesh."""
+    searched plan; ``time_limit``: the ILP's time limit (seconds) per stage mesh."""
     return AlpaLike(
         pp, cluster, tuple((mesh or {}).items()), capacity, slicing, microbatches, dtype,
         optimizer_slots, recompute, time_limit,

@@ -8,7 +8,9 @@ import models
 from jscaler.cost import estimate
 from jscaler.plan import MeshSpec
 from jscaler.search import brute_force, build_problem, intra_op, objective, solve
-from jscaler.search.ilp import Solution, to_plan
+from jscaler.search.ilp import Solution, descent, greedy, to_plan
+from jscaler.search.milp import Milp
+from jscaler.search.problem import memory_unit
 
 from parity import assert_parity
 
@@ -68,6 +70,40 @@ def test_memory_capacity_changes_the_plan_and_gives_it_back(gpt_graph):
     assert loose.choice == free.choice
     with pytest.raises(jscaler.PlanError, match="no plan on mesh d=8 fits"):
         solve(build_problem(gpt_graph, mesh, "dgx2_v100", capacity=1e4))
+
+
+def test_only_the_phases_some_choice_could_overfill_enter_the_model(gpt_graph):
+    mesh = MeshSpec.create(d=8)
+    free = solve(build_problem(gpt_graph, mesh, "dgx2_v100", recompute=1))
+    loose = build_problem(gpt_graph, mesh, "dgx2_v100", recompute=1, capacity=1e12)
+    assert len(loose.peaks) > 2 and Milp(loose).binding_phases() == []
+    assert solve(loose).choice == free.choice
+    tight = build_problem(gpt_graph, mesh, "dgx2_v100", recompute=1, capacity=0.7 * free.memory)
+    kept = Milp(tight).binding_phases()
+    assert kept  # and every phase left out holds within the capacity under every choice:
+    unit = memory_unit(tight.capacity)
+    most = [max(round(b / unit) for b in row) for row in tight.memory]
+    for k, pk in enumerate(tight.peaks):
+        if k not in kept:
+            both = {c: zip(tight.memory[c], row) for c, row in pk.items()}
+            extra = sum(max(round(m / unit) + round(b / unit) for m, b in r) for r in both.values())
+            extra -= sum(most[c] for c in pk)
+            assert sum(most) + extra <= tight.capacity // unit
+    sol = solve(tight)
+    assert sol.memory <= tight.capacity and sol.seconds > free.seconds
+
+
+def test_the_descent_never_slows_nor_overfills_the_greedy_choice(gpt_graph):
+    mesh = MeshSpec.create(d=8)
+    for capacity in (None, 2e8):
+        p = build_problem(gpt_graph, mesh, "dgx2_v100", recompute=1, capacity=capacity)
+        start = greedy(p)
+        better = descent(p, start)
+        (t0, m0), (t1, m1) = objective(p, list(start)), objective(p, list(better))
+        assert better != start and t1 < t0
+        if capacity is None or m0 <= capacity:
+            assert capacity is None or m1 <= capacity
+        assert objective(p, list(descent(p, better)))[0] == t1  # a fixed point
 
 
 def test_recompute_in_the_search_trades_memory_for_time(gpt_graph):

@@ -16,7 +16,7 @@ def register(sub) -> None:
         "print the cost model's prediction on --devices devices of --cluster: step time, "
         "MFU, memory per device (and whether it fits), collective bytes. --plan auto (the "
         "default; also --auto) searches jointly: mesh shapes with the op-trans/op-assign ILP "
-        "(CP-SAT), pipelines with Alpa's stage DP, every space's settings, schedules, ZeRO, "
+        "(HiGHS), pipelines with Alpa's stage DP, every space's settings, schedules, ZeRO, "
         "recompute and micro-batch counts, and prints the fastest plan that fits (with "
         "--mesh: the ILP alone on that mesh). "
         "Every figure is SIMULATED from the cost model, not measured.",

@@ -1,9 +1,10 @@
-"""Search: the op-trans + op-assign ILP (CP-SAT) over per-op strategies on a mesh.
+"""Search: the op-trans + op-assign ILP (HiGHS) over per-op strategies on a mesh.
 
 Owns :func:`build_problem` (strategies, node/edge costs and memory from the cost model),
-:func:`solve` (CP-SAT, deterministic), :func:`brute_force` (the check on small graphs),
-:func:`to_plan` and the space-like :func:`intra_op`; and :func:`search_order`, the
-op-order search over pipeline blocks (CP-SAT scheduling under a memory bound);
+:func:`solve` (HiGHS, deterministic within its time limit), :func:`brute_force` (the
+check on small graphs), :func:`to_plan` and the space-like :func:`intra_op`; and
+:func:`search_order`, the op-order search over pipeline blocks (CP-SAT scheduling under
+a memory bound);
 :func:`propagate` completes a partial plan from the ops it fixes; :func:`slice_stages`
 cuts layers into pipeline stages by dynamic programming (Alpa's stage slicing);
 :func:`search` and the space :func:`auto` (``plan="auto"``) search jointly over every

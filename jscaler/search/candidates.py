@@ -160,7 +160,7 @@ def builtin_candidates(
     ``"one"`` runs the ILP on one axis over the devices (two-axis meshes are searched
     through the registered spaces' tp x dp settings), ``"all"`` on every two-axis mesh too
     (its problem grows with the strategies per op: on swin-tiny at 8 devices a two-axis
-    problem takes seconds to build and CP-SAT rarely finds a solution in its time limit)."""
+    problem takes seconds to build and often does not solve within its time limit)."""
     if ilp_meshes not in ("one", "all"):
         raise PlanError(f"ilp_meshes must be 'one' or 'all', got {ilp_meshes!r}")
     n = n_devices

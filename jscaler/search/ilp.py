@@ -1,32 +1,28 @@
-"""Solving the op-trans + op-assign problem: CP-SAT, a brute-force check, and the Plan.
+"""Solving the op-trans + op-assign problem: HiGHS, a brute-force check, and the Plan.
 
-The model is Alpa's: a boolean ``x[c, s]`` per cluster and strategy (exactly one per
-cluster), a boolean ``e[a, b, i, j]`` per edge and strategy pair, linked to the ``x`` by
-``sum_j e[a, b, i, j] = x[a, i]`` and ``sum_i e[a, b, i, j] = x[b, j]``; minimise
-``sum node * x + sum edge * e`` (integer nanoseconds) under ``sum memory * x + w <=
-capacity``, ``w >= 0`` at least each phase's ``sum peak * x`` (a recomputed layer's
-backward, the gradient reduction); a tied parameter's readers reading it in different
-layouts (``d[t, s] >= x[first, s] - sum x[reader, agreeing]``) add its
-:class:`~jscaler.search.problem.Tied` costs. CP-SAT runs with one worker, a fixed seed
-and a deterministic-time limit, so every host derives the same plan; when it proves
-nothing in time, the best solution found is used, and with none, the greedy choice (each
-cluster's cheapest strategy, or its leanest when the cheapest do not fit).
+:func:`solve` runs HiGHS (single-threaded, deterministic until its time limit) on the
+model of :mod:`jscaler.search.milp`, starting from a greedy choice improved one cluster at
+a time (:func:`descent`), which is also its answer when HiGHS finds nothing in time.
+Within the limit every host derives the same plan; a plan cut short by the limit can
+differ between hosts of different speeds, which the runtime's agreement check
+(:func:`jscaler.runtime.distributed.check_plan_agreement`) reports; the search's plan
+cache lets them share one.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 from jscaler.errors import PlanError
 from jscaler.plan.helpers import assign_mesh, shard_dim, split_ops
 from jscaler.plan.pieces import op_pieces
 from jscaler.plan.plan import Plan
-from jscaler.search.problem import Problem, fits_at_all, memory_unit, no_fit, objective
+from jscaler.search.milp import Milp
+from jscaler.search.problem import Problem, fits_at_all, no_fit, objective
 
 __all__ = ["Solution", "brute_force", "explain", "solve", "to_plan"]
-
-NS = 1e9  # objective unit: nanoseconds
 
 
 @dataclass(frozen=True)
@@ -36,92 +32,78 @@ class Solution:
     memory: float
     status: str  # OPTIMAL | FEASIBLE | GREEDY | BRUTE_FORCE
     wall: float = 0.0
+    phases: int = 0  # the memory phases in the model (the rest cannot bind)
 
 
 def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
-    """The cheapest strategy per cluster under the memory capacity (CP-SAT)."""
-    import time
-
-    from ortools.sat.python import cp_model
-
+    """The cheapest strategy per cluster under the memory capacity: HiGHS on the model of
+    :mod:`jscaler.search.milp` with the memory phases some choice could overfill, for at
+    most ``time_limit`` seconds. Past the limit, the better of the best choice found and
+    the descent's (FEASIBLE), or, with none found, the descent's (GREEDY)."""
     start = time.perf_counter()
     if p.capacity is not None and not fits_at_all(p.memory, p.capacity, p.peaks):
-        # what CP-SAT finds, without building it
         raise no_fit(p.mesh, p.capacity, p.memory, p.peaks)
-    m = cp_model.CpModel()
-    x = [[m.new_bool_var(f"x{c}_{s}") for s in range(len(st))] for c, st in enumerate(p.strategies)]
-    for row in x:
-        m.add_exactly_one(row)
-    terms = [(round(p.node[c][s] * NS), x[c][s]) for c in range(len(x)) for s in range(len(x[c]))]
-    for (a, b), mat in sorted(p.edges.items()):
-        e = {}
-        for i, j in itertools.product(range(len(x[a])), range(len(x[b]))):
-            e[i, j] = m.new_bool_var(f"e{a}_{b}_{i}_{j}")
-            if mat[i][j]:
-                terms.append((round(mat[i][j] * NS), e[i, j]))
-        for i in range(len(x[a])):
-            m.add(sum(e[i, j] for j in range(len(x[b]))) == x[a][i])
-        for j in range(len(x[b])):
-            m.add(sum(e[i, j] for i in range(len(x[a]))) == x[b][j])
-    apart = []  # per tied parameter: its readers read it in different layouts
-    for k, tie in enumerate(p.tied):
-        first = x[tie.cluster]
-        d = [m.new_bool_var(f"apart{k}_{s}") for s in range(len(first))]
-        for s, v in enumerate(d):
-            for c, same in tie.agree:
-                m.add(v >= first[s] - sum(x[c][j] for j in same[s]))
-            terms.append((round(tie.seconds[s] * NS), v))
-        apart.append(d)
-    if p.capacity is not None:
-        unit = memory_unit(p.capacity)
-        cap = int(p.capacity // unit)
-        kept = sum(
-            round(p.memory[c][s] / unit) * x[c][s] for c in range(len(x)) for s in range(len(x[c]))
-        )
-        if p.peaks:  # the fullest phase (a layer's backward, the reduction) beside the kept
-            w = m.new_int_var(0, cap, "peak")
-            for k, pk in enumerate(p.peaks):
-                held = sum(
-                    round(b / unit) * x[c][s] for c, row in pk.items() for s, b in enumerate(row)
-                )
-                if k == len(p.peaks) - 1:  # the gradient reduction
-                    held += sum(
-                        round(b / unit) * v
-                        for tie, d in zip(p.tied, apart)
-                        for b, v in zip(tie.held, d)
-                    )
-                m.add(w >= held)
-            kept += w
-        kept += sum(
-            round(b / unit) * v for tie, d in zip(p.tied, apart) for b, v in zip(tie.kept, d)
-        )
-        m.add(kept <= cap)
-    # gradient reductions hide behind the backward compute: z >= hidden - backward, z >= 0
-    idx = [(c, s) for c in range(len(x)) for s in range(len(x[c]))]
-    hidden = sum(round(p.hidden[c][s] * NS) * x[c][s] for c, s in idx)
-    back = sum(round(p.backward[c][s] * NS) * x[c][s] for c, s in idx)
-    z = m.new_int_var(0, max(1, round(sum(max(r) for r in p.hidden) * NS)), "exposed_grads")
-    m.add(z >= hidden - back)
-    m.minimize(sum(w * v for w, v in terms if w) + z)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = 0
-    solver.parameters.max_deterministic_time = time_limit
-    solver.parameters.linearization_level = 2  # the LP relaxation: optimal in seconds
-    status = solver.solve(m)
-    wall = time.perf_counter() - start
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        choice = tuple(next(s for s, v in enumerate(row) if solver.value(v)) for row in x)
-        secs, mem = objective(p, list(choice))
-        return Solution(choice, secs, mem, solver.status_name(status), wall)
-    if status == cp_model.INFEASIBLE:
+    model = Milp(p)
+    first = descent(p, greedy(p))
+    phases = model.binding_phases()
+    res = model.solve(phases, time_limit)
+    if res.infeasible:
         raise no_fit(p.mesh, p.capacity, p.memory, p.peaks)
-    choice = _greedy(p)
+    choice, status = res.choice, "OPTIMAL" if res.optimal else "FEASIBLE"
+    if choice is None:
+        choice, status = first, "GREEDY"
+    elif not res.optimal and _better(p, first, choice):
+        choice = first
     secs, mem = objective(p, list(choice))
-    return Solution(choice, secs, mem, "GREEDY", wall)
+    return Solution(choice, secs, mem, status, time.perf_counter() - start, len(phases))
 
 
-def _greedy(p: Problem) -> tuple[int, ...]:
+def _better(p: Problem, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether choice ``a`` fits and is faster than ``b``."""
+    secs, mem = objective(p, list(a))
+    return (p.capacity is None or mem <= p.capacity) and secs < objective(p, list(b))[0]
+
+
+def descent(p: Problem, choice: tuple[int, ...], sweeps: int = 8) -> tuple[int, ...]:
+    """``choice`` improved one cluster at a time (coordinate descent on the step time: its
+    node cost and parameter-gradient reduction, and its edges' conversions with its
+    neighbours' strategies as they stand), a cluster moving only to a strategy that holds
+    no more than its own in the kept state and in every phase, so a choice that fits
+    keeps fitting. The solver's starting point, and its answer when it finds none."""
+    near: list[list[tuple[list, bool, int]]] = [[] for _ in p.strategies]
+    for (a, b), mat in p.edges.items():
+        near[a].append((mat, True, b))
+        near[b].append((mat, False, a))
+    rows: list[list[list[float]]] = [[row] for row in p.memory]
+    for pk in p.peaks:
+        for c, row in pk.items():
+            rows[c].append(row)
+    choice = list(choice)
+    for _ in range(sweeps):
+        moved = False
+        for c, own in enumerate(p.node):
+            if len(own) < 2:
+                continue
+
+            def cost(s, c=c, own=own) -> float:
+                t = own[s] + p.hidden[c][s]
+                for mat, first, d in near[c]:
+                    t += mat[s][choice[d]] if first else mat[choice[d]][s]
+                return t
+
+            now = choice[c]
+            best = min(
+                (s for s in range(len(own)) if all(r[s] <= r[now] for r in rows[c])),
+                key=lambda s: (cost(s), s),
+            )
+            if cost(best) < cost(now):
+                choice[c], moved = best, True
+        if not moved:
+            break
+    return tuple(choice)
+
+
+def greedy(p: Problem) -> tuple[int, ...]:
     """Each cluster's cheapest strategy; if that exceeds the capacity, each cluster's
     leanest (ties to the cheaper)."""
     fast = tuple(

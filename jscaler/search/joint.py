@@ -20,8 +20,9 @@ edges are priced; each ILP has a solver time limit
 whole search and returns the best so far, saying so. A pipeline predicted under several
 schedules of the same stages shares their per-stage costs
 (:func:`jscaler.cost.pipeline.shared_costs`). Same inputs, same result: the order is
-fixed and CP-SAT runs deterministically; the winner is returned as it was planned. Results
-are cached: the table of every candidate's prediction under
+fixed and the solvers are deterministic (HiGHS single-threaded, up to its time limit: a
+solve cut short by it may end elsewhere on a slower machine); the winner is returned as
+it was planned. Results are cached: the table of every candidate's prediction under
 ``<cache_dir>/plans/auto-*.json``, keyed by the graphs, devices, cluster, capacity, dtype,
 optimizer slots, expert skew, the candidates' names and the search version; a cached
 search rebuilds only the winner.
@@ -209,7 +210,7 @@ def search(
       candidates: more candidates, beside the engine's (``builtin``) and the registered
         ones (``registered``).
       time_limit: seconds for the whole search (None: no limit); ``ilp_time_limit``: the
-        ILP's deterministic-time limit per solve; ``ilp_meshes``: the meshes the engine's
+        ILP's time limit per solve (seconds of HiGHS); ``ilp_meshes``: the meshes the engine's
         ILP runs on (``"one"`` axis, or ``"all"`` two-axis ones too; see
         :func:`builtin_candidates`).
     """

@@ -581,12 +581,11 @@ def fits_at_all(memory: list[list[float]], capacity: float, peaks=()) -> bool:
 def _least(memory, peaks, unit) -> float:
     """:func:`least_memory` with every term in ``unit`` (bytes, or the solver's units)."""
     kept = [[unit(b) for b in row] for row in memory]
-    least = sum(min(row) for row in kept)
-    for pk in peaks:
-        phase = {c: [unit(b) for b in r] for c, r in pk.items()}
-        both = sum(
-            min(k + v for k, v in zip(row, phase.get(c, [0] * len(row))))
-            for c, row in enumerate(kept)
+    low = [min(row) for row in kept]
+    base = least = sum(low)
+    for pk in peaks:  # the clusters a phase leaves out hold their leanest kept bytes
+        both = base + sum(
+            min(k + unit(b) for k, b in zip(kept[c], r)) - low[c] for c, r in pk.items()
         )  # fmt: skip
         least = max(least, both)
     return least

@@ -1,0 +1,206 @@
+"""The op-trans + op-assign problem as a mixed-integer linear program, solved by HiGHS.
+
+Alpa's model: a binary ``x[c, s]`` per cluster and strategy (exactly one per cluster); per
+edge a ``e[a, b, i, j] >= 0`` per strategy pair, tied to the ``x`` by ``sum_j e[a, b, i, j]
+= x[a, i]`` and ``sum_i e[a, b, i, j] = x[b, j]`` (integral ``x`` make it their product,
+so it need not be declared integral); minimise ``sum node * x + sum edge * e`` (in
+microseconds) plus ``z >= sum (hidden - backward) * x``, ``z >= 0`` (the gradient
+reductions the backward does not hide), under ``sum memory * x + w <= capacity`` with ``w``
+at least each phase's ``sum peak * x`` that has been added (a recomputed layer's backward,
+an op's cotangents, the gradient reduction: :attr:`~jscaler.search.problem.Problem.peaks`),
+memory terms rounded to :func:`~jscaler.search.problem.memory_unit` as
+:func:`~jscaler.search.problem.fits_at_all` counts them. A tied parameter read in different
+layouts adds ``d[t, s] >= x[first, s] - sum x[reader, agreeing]`` and its
+:class:`~jscaler.search.problem.Tied` costs. The LP relaxation of this model is tight on
+most graphs, which is why an LP-based branch and bound solves paper-scale problems (tens
+of thousands of variables) in seconds where a SAT search does not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from jscaler.search.problem import Problem, memory_unit
+
+__all__ = ["Milp", "Result"]
+
+US = 1e6  # objective unit: microseconds
+GAP = 1e-4  # "optimal": within 0.01% of the LP bound (HiGHS's default)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One HiGHS run: the choice it found (None: none) and whether it is proven optimal."""
+
+    choice: tuple[int, ...] | None
+    optimal: bool
+    infeasible: bool
+
+
+class Milp:
+    """The model of a problem, its constraints but the phases built once; :meth:`solve`
+    with a set of phases."""
+
+    def __init__(self, p: Problem):
+        self.p = p
+        self.offset, n = [], 0
+        for st in p.strategies:
+            self.offset.append(n)
+            n += len(st)
+        self.nx = n
+        self.unit = memory_unit(p.capacity) if p.capacity is not None else 1
+        cost = [p.node[c][s] * US for c, st in enumerate(p.strategies) for s in range(len(st))]
+        rows: list[list[tuple[int, float]]] = []
+        lo: list[float] = []
+        hi: list[float] = []
+
+        def row(entries, low, high):
+            rows.append(entries)
+            lo.append(low)
+            hi.append(high)
+
+        x = self.x
+        for c, st in enumerate(p.strategies):
+            row([(x(c, s), 1.0) for s in range(len(st))], 1.0, 1.0)
+        for (a, b), mat in sorted(p.edges.items()):
+            first, na, nb = n, len(mat), len(mat[0])
+            n += na * nb
+            cost += [v * US for r in mat for v in r]
+            for i in range(na):
+                row([(first + i * nb + j, 1.0) for j in range(nb)] + [(x(a, i), -1.0)], 0, 0)
+            for j in range(nb):
+                row([(first + i * nb + j, 1.0) for i in range(na)] + [(x(b, j), -1.0)], 0, 0)
+        self.apart = []  # per tied parameter: its d variables per strategy
+        for tie in p.tied:
+            d = list(range(n, n + len(tie.seconds)))
+            n += len(d)
+            cost += [v * US for v in tie.seconds]
+            for s, v in enumerate(d):
+                for c, same in tie.agree:
+                    row([(v, 1.0), (x(tie.cluster, s), -1.0)] + [(x(c, j), 1.0) for j in same[s]],
+                        0.0, np.inf)  # fmt: skip
+            self.apart.append(d)
+        self.z, self.w = n, n + 1
+        n += 2
+        cost += [1.0, 0.0]
+        gap = [(x(c, s), -(p.hidden[c][s] - p.backward[c][s]) * US) for c, s in self._pairs()]
+        row([(self.z, 1.0), *gap], 0.0, np.inf)
+        if p.capacity is not None:
+            kept = [(x(c, s), self._units(p.memory[c][s])) for c, s in self._pairs()]
+            kept += self._ties("kept")
+            row([*kept, (self.w, 1.0)], -np.inf, float(p.capacity // self.unit))
+        self.n, self.cost, self.rows, self.lo, self.hi = n, np.array(cost), rows, lo, hi
+
+    def x(self, c: int, s: int) -> int:
+        return self.offset[c] + s
+
+    def _pairs(self):
+        return ((c, s) for c, st in enumerate(self.p.strategies) for s in range(len(st)))
+
+    def _units(self, b: float) -> float:
+        return float(round(b / self.unit))
+
+    def _ties(self, what: str) -> list[tuple[int, float]]:
+        return [
+            (v, self._units(b))
+            for tie, d in zip(self.p.tied, self.apart)
+            for v, b in zip(d, getattr(tie, what))
+        ]
+
+    def binding_phases(self) -> list[int]:
+        """The phases some choice could overfill: those whose fullest choice per cluster,
+        kept and phase bytes together, exceeds the capacity (the rest never bind)."""
+        p = self.p
+        if p.capacity is None:
+            return []
+        cap = p.capacity // self.unit
+        most = [max(self._units(b) for b in row) for row in p.memory]
+        ties = sum(max([0.0, *(self._units(b) for b in t.kept)]) for t in p.tied)
+        out = []
+        for k, pk in enumerate(p.peaks):
+            total = sum(most) + ties
+            for c, row in pk.items():
+                total += max(self._units(m) + self._units(b) for m, b in zip(p.memory[c], row))
+                total -= most[c]
+            if k == len(p.peaks) - 1:
+                total += sum(max([0.0, *(self._units(b) for b in t.held)]) for t in p.tied)
+            if total > cap:
+                out.append(k)
+        return out
+
+    def phase(self, k: int) -> list[tuple[int, float]]:
+        """``w - sum peak * x >= 0`` of phase ``k`` (the last: the gradient reduction,
+        with the tied parameters' gradients)."""
+        p = self.p
+        held = [
+            (self.x(c, s), self._units(b)) for c, r in p.peaks[k].items() for s, b in enumerate(r)
+        ]
+        if k == len(p.peaks) - 1:
+            held += self._ties("held")
+        return [(self.w, 1.0)] + [(i, -v) for i, v in held]
+
+    def solve(self, phases: list[int], time_limit: float) -> Result:
+        """HiGHS on the model with ``phases`` (indices into the problem's peaks), for at
+        most ``time_limit`` seconds."""
+        import highspy
+
+        rows = self.rows + [self.phase(k) for k in phases]
+        r = np.array([i for i, entries in enumerate(rows) for _ in entries], dtype=np.int32)
+        cols = np.array([j for entries in rows for j, _ in entries], dtype=np.int32)
+        vals = np.array([v for entries in rows for _, v in entries])
+        order = np.argsort(cols, kind="stable")  # column-wise
+        start = np.searchsorted(cols[order], np.arange(self.n + 1)).astype(np.int32)
+        upper = np.ones(self.n)
+        upper[self.z] = np.inf
+        upper[self.w] = float(self.p.capacity // self.unit) if self.p.capacity else 0.0
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = self.n, len(rows)
+        lp.col_cost_, lp.col_lower_, lp.col_upper_ = self.cost, np.zeros(self.n), upper
+        lp.row_lower_ = np.array(self.lo + [0.0] * len(phases))
+        lp.row_upper_ = np.array(self.hi + [np.inf] * len(phases))
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_, lp.a_matrix_.index_ = start, r[order]
+        lp.a_matrix_.value_ = vals[order]
+        kinds = [highspy.HighsVarType.kContinuous] * self.n
+        kinds[: self.nx] = [highspy.HighsVarType.kInteger] * self.nx
+        lp.integrality_ = kinds
+        h = _silent_highs()
+        h.setOptionValue("time_limit", max(time_limit, 0.1))
+        h.setOptionValue("mip_rel_gap", GAP)
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("random_seed", 0)
+        h.passModel(lp)
+        h.run()
+        status = h.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return Result(None, False, True)
+        if h.getInfo().primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
+            return Result(None, False, False)
+        x = np.asarray(h.getSolution().col_value)
+        choice = tuple(
+            int(np.argmax(x[o : o + len(st)])) for o, st in zip(self.offset, self.p.strategies)
+        )
+        return Result(choice, status == highspy.HighsModelStatus.kOptimal, False)
+
+
+def _silent_highs():
+    """A HiGHS instance that prints nothing: its first construction in a process writes a
+    banner to file descriptor 1 (not through Python), which would corrupt ``--json``
+    output; it is sent to /dev/null."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+            h.setOptionValue("output_flag", False)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return h
