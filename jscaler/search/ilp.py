@@ -1,8 +1,9 @@
 """Solving the op-trans + op-assign problem: HiGHS, a brute-force check, and the Plan.
 
 :func:`solve` runs HiGHS (single-threaded, deterministic until its time limit) on the
-model of :mod:`jscaler.search.milp`, starting from a greedy choice improved one cluster at
-a time (:func:`descent`), which is also its answer when HiGHS finds nothing in time.
+model of :mod:`jscaler.search.milp`; when HiGHS proves nothing in time, a greedy choice
+improved one cluster at a time (:func:`descent`) stands in where it is faster, or where
+HiGHS found nothing.
 Within the limit every host derives the same plan; a plan cut short by the limit can
 differ between hosts of different speeds, which the runtime's agreement check
 (:func:`jscaler.runtime.distributed.check_plan_agreement`) reports; the search's plan
@@ -44,16 +45,17 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
     if p.capacity is not None and not fits_at_all(p.memory, p.capacity, p.peaks):
         raise no_fit(p.mesh, p.capacity, p.memory, p.peaks)
     model = Milp(p)
-    first = descent(p, greedy(p))
     phases = model.binding_phases()
     res = model.solve(phases, time_limit)
     if res.infeasible:
         raise no_fit(p.mesh, p.capacity, p.memory, p.peaks)
     choice, status = res.choice, "OPTIMAL" if res.optimal else "FEASIBLE"
-    if choice is None:
-        choice, status = first, "GREEDY"
-    elif not res.optimal and _better(p, first, choice):
-        choice = first
+    if not res.optimal:  # cut short by the limit: the descent's choice where it is better
+        first = descent(p, greedy(p))
+        if choice is None:
+            choice, status = first, "GREEDY"
+        elif _better(p, first, choice):
+            choice = first
     secs, mem = objective(p, list(choice))
     return Solution(choice, secs, mem, status, time.perf_counter() - start, len(phases))
 
@@ -69,7 +71,7 @@ def descent(p: Problem, choice: tuple[int, ...], sweeps: int = 8) -> tuple[int, 
     node cost and parameter-gradient reduction, and its edges' conversions with its
     neighbours' strategies as they stand), a cluster moving only to a strategy that holds
     no more than its own in the kept state and in every phase, so a choice that fits
-    keeps fitting. The solver's starting point, and its answer when it finds none."""
+    keeps fitting. The solver's answer where HiGHS, cut short, found nothing better."""
     near: list[list[tuple[list, bool, int]]] = [[] for _ in p.strategies]
     for (a, b), mat in p.edges.items():
         near[a].append((mat, True, b))

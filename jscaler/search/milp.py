@@ -6,8 +6,9 @@ edge a ``e[a, b, i, j] >= 0`` per strategy pair, tied to the ``x`` by ``sum_j e[
 so it need not be declared integral); minimise ``sum node * x + sum edge * e`` (in
 microseconds) plus ``z >= sum (hidden - backward) * x``, ``z >= 0`` (the gradient
 reductions the backward does not hide), under ``sum memory * x + w <= capacity`` with ``w``
-at least each phase's ``sum peak * x`` that has been added (a recomputed layer's backward,
-an op's cotangents, the gradient reduction: :attr:`~jscaler.search.problem.Problem.peaks`),
+at least the ``sum peak * x`` of each phase some choice could overfill (a recomputed
+layer's backward, an op's cotangents, the gradient reduction:
+:attr:`~jscaler.search.problem.Problem.peaks`; :meth:`Milp.binding_phases`),
 memory terms rounded to :func:`~jscaler.search.problem.memory_unit` as
 :func:`~jscaler.search.problem.fits_at_all` counts them. A tied parameter read in different
 layouts adds ``d[t, s] >= x[first, s] - sum x[reader, agreeing]`` and its
@@ -42,8 +43,8 @@ class Result:
 
 
 class Milp:
-    """The model of a problem, its constraints but the phases built once; :meth:`solve`
-    with a set of phases."""
+    """The model of a problem, every constraint but the phases' built once; :meth:`solve`
+    adds the phases it is given (:meth:`binding_phases`)."""
 
     def __init__(self, p: Problem):
         self.p = p
@@ -119,15 +120,14 @@ class Milp:
             return []
         cap = p.capacity // self.unit
         most = [max(self._units(b) for b in row) for row in p.memory]
-        ties = sum(max([0.0, *(self._units(b) for b in t.kept)]) for t in p.tied)
+        base = sum(most) + sum(max([0.0, *(self._units(b) for b in t.kept)]) for t in p.tied)
+        grads = sum(max([0.0, *(self._units(b) for b in t.held)]) for t in p.tied)
         out = []
         for k, pk in enumerate(p.peaks):
-            total = sum(most) + ties
+            total = base + (grads if k == len(p.peaks) - 1 else 0.0)
             for c, row in pk.items():
                 total += max(self._units(m) + self._units(b) for m, b in zip(p.memory[c], row))
                 total -= most[c]
-            if k == len(p.peaks) - 1:
-                total += sum(max([0.0, *(self._units(b) for b in t.held)]) for t in p.tied)
             if total > cap:
                 out.append(k)
         return out
