@@ -29,7 +29,11 @@ strategy per op fixes every tensor's layout on the mesh, hence:
 
 Ops of repeated layers at the same position form one *cluster* sharing a strategy (the
 i-th op of every block), so a model's depth does not grow the problem; a tensor passing
-from a cluster to itself (layer i to layer i+1) costs on the diagonal only.
+from a cluster to itself (layer i to layer i+1) costs on the diagonal only. An op's node
+cost is priced once per *signature* (everything it reads: primitive, annotation, operand
+shapes and dtypes, roofline, which operands are kept, carry gradients, are parameters read
+first here), so the ops of a cluster, layer after layer, share one pricing; layouts of an
+annotation under a strategy are cached (:func:`layout`).
 
 Times are seconds per device per micro-batch on a :class:`~jscaler.cost.Cluster`; the
 objective, the sum of node and edge costs over the graph, is a device's step time when
@@ -39,6 +43,7 @@ nothing overlaps (every device runs the same SPMD program).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -173,17 +178,20 @@ def _strategies(op: Op, mesh: MeshSpec) -> list[Strategy]:
 
 def layout(dims, strategy: Strategy, mesh: MeshSpec, kinds, output: bool) -> Layout:
     """The layout of a tensor with annotation ``dims`` under an op's strategy."""
-    names = mesh.names
+    plus = ()
+    if output:  # the split dims that leave partial sums
+        plus = tuple(d for d in strategy if d is not None and kinds.get(d) == "+")
+    return _layout(dims, strategy, mesh.names, plus)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layout(dims, strategy: Strategy, names: tuple[str, ...], plus: tuple[str, ...]) -> Layout:
+    """:func:`layout`, cached: a search asks the same few (dims, strategy) millions of times."""
     spec = tuple(
         tuple(a for a, d in zip(names, strategy) if d is not None and d == ax[0]) for ax in dims
     )
     present = {ax[0] for ax in dims}
-    partial = ()
-    if output:
-        partial = tuple(
-            a for a, d in zip(names, strategy) if d is not None and kinds.get(d) == "+"
-            and d not in present
-        )  # fmt: skip
+    partial = tuple(a for a, d in zip(names, strategy) if d in plus and d not in present)
     return Layout(spec, partial)
 
 
@@ -366,13 +374,45 @@ def build_problem(
                     return True
         return False
 
+    def signature(op: Op) -> tuple:
+        """Everything :func:`node_cost` reads of ``op``: ops of the same signature (a
+        repeated layer's op, layer after layer) cost the same under every strategy."""
+        ann = op.annotation
+        ins = tuple(
+            None if isinstance(x, Literal) else (
+                graph.tensors[x].shape, graph.tensors[x].dtype, graph.tensors[x].role,
+                x in needs, x in saved, flows(x), first_reader.get(x) == op.id,
+                len(tied.get(x, (x,))),
+            )
+            for x in op.inputs
+        )  # fmt: skip
+        outs = tuple(
+            (graph.tensors[x].shape, graph.tensors[x].dtype, x in needs, x in saved, flows(x))
+            for x in op.outputs
+        )
+        moved = tuple(moves is None or t in moves for t in (*op.tensor_inputs, *op.outputs))
+        dims = None if ann is None else (ann.inputs, ann.outputs, tuple(sorted(ann.kinds.items())))
+        return (
+            op.primitive, op.flops, roofs[op.id], op.id in recomputed, op.id in holding,
+            dims, ins, outs, moved,
+        )  # fmt: skip
+
+    costed: dict[tuple, tuple[float, ...]] = {}
+
+    def cost_of(op: Op, sig: tuple, s: Strategy, z: bool) -> tuple[float, ...]:
+        key = (sig, s, z)
+        if key not in costed:
+            costed[key] = node_cost(op, s, z)
+        return costed[key]
+
     strategies, node, hidden, backward, memory, reduction, zeros = [], [], [], [], [], [], []
     acts, cots = {}, {}  # op id -> per strategy of its cluster: kept, cotangent bytes
     for ids in clusters:
         base = _strategies(ops[ids[0]], mesh)
         plain = [(s, False) for s in base]
         strats = plain + [(s, True) for s in base if zero_ok(ops[ids[0]], s)]
-        costs = [[node_cost(ops[o], s, z) for o in ids] for s, z in strats]
+        sigs = [signature(ops[o]) for o in ids]
+        costs = [[cost_of(ops[o], g, s, z) for o, g in zip(ids, sigs)] for s, z in strats]
         strategies.append([s for s, _ in strats])
         zeros.append([z for _, z in strats])
         for k, table in enumerate((node, hidden, backward, memory, reduction)):
@@ -614,4 +654,5 @@ def _reduced(graph: Graph, op: Op, k: int, s: Strategy, mesh: MeshSpec, inputs=F
     if ann is None:
         return _whole(graph.tensors[(op.inputs if inputs else op.outputs)[k]].shape)
     dims = (ann.inputs if inputs else ann.outputs)[k]
-    return layout(dims, s, mesh, ann.kinds, not inputs).reduced
+    lay = layout(dims, s, mesh, ann.kinds, not inputs)
+    return lay.reduced if lay.partial else lay
