@@ -199,7 +199,7 @@ def _backward_factors(g, needs) -> dict[int, float]:
 
 def saved_for_backward(
     graph, recomputed: Mapping[int, object] | None = None, views: bool = False
-) -> set[int]:
+) -> frozenset[int]:
     """Forward values the backward pass reads: inputs of non-linear consumers, outputs of
     ops whose derivative is their output (exp, tanh, logistic, sqrt, rsqrt), and of ops
     some gradient flows through. ``recomputed`` maps op id -> its recomputed group (see
@@ -208,9 +208,14 @@ def saved_for_backward(
     for readers outside it are. Parameters are not activations, nor (unless ``views``)
     views of them (:data:`PARAM_VIEWS`): in one compiled step XLA folds the view into the
     matmul reading it, but a pipeline stage's forward program returns it among its
-    residuals, a copy per micro-batch in flight."""
-    reads, own = _backward_reads(graph)
+    residuals, a copy per micro-batch in flight. Once per graph and arguments."""
     groups = recomputed or {}
+    key = (saved_for_backward, frozenset(groups.items()), views)
+    return graph.memo(key, lambda: _saved(graph, groups, views))
+
+
+def _saved(graph, groups: Mapping[int, object], views: bool) -> frozenset[int]:
+    reads, own = _backward_reads(graph)
     saved = {t for op_id, outs in own if op_id not in groups for t in outs}
     for t, producer, reader in reads:
         group = groups.get(producer)
@@ -225,7 +230,7 @@ def saved_for_backward(
                 made = graph.producer(t)
                 if made is None or groups.get(made.id) != group:
                     saved.add(t)
-    return saved & _activation_tensors(graph, views)
+    return frozenset(saved & _activation_tensors(graph, views))
 
 
 def _backward_reads(graph) -> tuple[tuple, tuple]:
@@ -829,7 +834,7 @@ def working_set(low, scope: set[int] | None = None, fuses: bool = False) -> floa
     by_id = {op.id: op for op in g.ops}
     whole = saved_for_backward(g)
     if fuses:  # a fusing backend's rerun layer holds only its materialised values
-        whole = fused_kept(g, whole)
+        whole = g.memo((working_set,), lambda: frozenset(fused_kept(g, whole)))
 
     def kept(o):
         pairs = zip(by_id[o].outputs, low.ops[o].outputs)

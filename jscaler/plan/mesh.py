@@ -6,6 +6,7 @@ Devices are numbered 0..N-1: device i is the i-th of the devices the plan runs o
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -81,9 +82,7 @@ class MeshSpec:
 
     def group(self, **fixed: int) -> tuple[int, ...]:
         """Devices whose coordinates match ``fixed`` (e.g. ``group(dp=1)``: one dp row)."""
-        return tuple(
-            d for d in self.devices if all(self.coords(d)[k] == v for k, v in fixed.items())
-        )
+        return _group(self, tuple(sorted(fixed.items())))
 
     def to_json(self) -> dict:
         return {"axes": [list(a) for a in self.axes], "devices": list(self.devices)}
@@ -94,3 +93,9 @@ class MeshSpec:
 
     def __str__(self):
         return " x ".join(f"{n}={s}" for n, s in self.axes)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _group(mesh: MeshSpec, fixed: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
+    """:meth:`MeshSpec.group`, cached: the cost model asks for the same groups per op."""
+    return tuple(d for d in mesh.devices if all(mesh.coords(d)[k] == v for k, v in fixed))
