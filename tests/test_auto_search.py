@@ -146,8 +146,9 @@ def test_the_lower_bound_never_exceeds_a_predicted_step(expr):
 
 def optimizer_seconds(plan) -> float:
     """The cost model's gradient and update ops' time on one device (once per step)."""
+    from jscaler.compile.comm import needs_grad
     from jscaler.cost.cluster import get_cluster
-    from jscaler.cost.estimate import device_times, needs_grad
+    from jscaler.cost.estimate import device_times
 
     times = device_times(plan, get_cluster(CLUSTER), "fp16", needs_grad(plan.graph), set())
     ids = {v.id for v in (*plan.pgraph.grad_ops, *plan.pgraph.update_ops)}

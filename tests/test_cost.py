@@ -194,7 +194,7 @@ def test_a_backend_without_a_grouped_matmul_keeps_each_ragged_dots_expanded_rows
     its rows' bytes (measured: docs/cost-model.md). A backend with a grouped matmul keeps
     none of it."""
     from jscaler.compile.lower import lower
-    from jscaler.cost.estimate import ragged_expansions
+    from jscaler.cost.memory import ragged_expansions
     from spaces import expert
 
     spec = models.get("moe-tiny-dropless")
@@ -221,7 +221,7 @@ def test_a_product_with_a_constant_keeps_only_the_constant():
     """JAX's transpose of ``y * c`` reads ``c`` alone: ``y`` is kept only where ``c``
     needs a gradient too (RoPE's ``q * cos``, GELU's ``* 0.5``, BERT's head mask kept
     ``q`` and the probabilities in the estimate, not in XLA)."""
-    from jscaler.cost.estimate import saved_for_backward
+    from jscaler.cost.memory import saved_for_backward
 
     def kept(loss):
         params = {"w": jnp.ones((8, 8)), "v": jnp.ones((8, 8))}

@@ -9,8 +9,8 @@ from flax import nnx
 
 import jscaler
 import models
-from jscaler.cost.estimate import saved_for_backward
 from jscaler.cost.fusion import fused_kept, materialised
+from jscaler.cost.memory import saved_for_backward
 from jscaler.runtime.precision import with_compute_dtype
 from models import gpt
 from spaces import dp

@@ -53,7 +53,7 @@ class Cluster:
         XLA does not, on CPU or GPU (jax 0.11 and 0.12): it lowers it as a dense dot over
         the groups, each row copied once per group with the other groups' rows masked,
         a buffer ``groups`` times the rows' size, and does ``groups`` times the useful
-        FLOPs (see :func:`jscaler.cost.estimate.ragged_expansions`). On an H200 a
+        FLOPs (see :func:`jscaler.cost.memory.ragged_expansions`). On an H200 a
         dropless MoE's ``[8192, 512] x [8, 512, 704]`` ragged_dot ran as one
         ``[8192, 4096] x [4096, 1408]`` product, its masked copies ``bf16[8, 8192, 704]``
         kept to the backward. False on every preset; True describes a backend with a

@@ -30,19 +30,15 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from jscaler.compile.comm import comm_table, from_params_only
+from jscaler.compile.comm import comm_table, from_params_only, needs_grad
 from jscaler.compile.lower import lower
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import Combined, collective_time
-from jscaler.cost.estimate import (
-    Estimate,
-    check_expert_skew,
+from jscaler.cost.estimate import Estimate, check_expert_skew, device_times, flops_of
+from jscaler.cost.memory import (
     cotangent_extra,
-    device_times,
-    flops_of,
     local_bytes,
     memory_breakdown,
-    needs_grad,
     recompute_groups,
     recomputed_ops,
     reduced_bytes,
@@ -376,7 +372,7 @@ def _group_memory(
         grads += sum(size(t, low.grad[t]) for t in params)
     # a parameter read by several of the group's ops (T5's embedding: both lookups and
     # the tied LM head) has each reader's gradient contribution and their sum live, as in
-    # one SPMD step (estimate.shared_params)
+    # one SPMD step (memory.shared_params)
     mine_ids = {o.id for o in mine}
     for t, readers in shared_params(g).items():
         here = sum(o.id in mine_ids for o in readers)

@@ -3,7 +3,7 @@
 One bar per device, one segment per part of :attr:`jscaler.Estimate.memory` (parameters,
 optimizer state, batch, gradients, activations); a mark at the predicted peak, which is
 lower than the sum when gradients and activations are not all alive at once
-(:func:`jscaler.cost.estimate.memory_breakdown`); and the device's capacity when the chart
+(:func:`jscaler.cost.memory.memory_breakdown`); and the device's capacity when the chart
 can show it beside the bars.
 """
 

@@ -16,17 +16,13 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from jscaler.compile.comm import comm_table, from_params_only
+from jscaler.compile.comm import comm_table, from_params_only, needs_grad
 from jscaler.compile.lower import lower
 from jscaler.cost.cluster import get_cluster
 from jscaler.cost.collective import Combined, collective_time
-from jscaler.cost.estimate import (
-    Estimate,
-    device_times,
-    needs_grad,
-    recomputed_ops,
-    value_scale,
-)
+from jscaler.cost.estimate import Estimate, device_times
+from jscaler.cost.memory import recomputed_ops
+from jscaler.cost.precision import value_scale
 from jscaler.errors import PlanError
 from jscaler.plan.plan import Plan
 

@@ -50,20 +50,20 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 
-from jscaler.compile.comm import NON_DIFFERENTIABLE, convert
+from jscaler.compile.comm import NON_DIFFERENTIABLE, convert, needs_grad
 from jscaler.compile.layout import Layout
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
-from jscaler.cost.estimate import (
-    CONTRACTIONS,
+from jscaler.cost.estimate import CONTRACTIONS
+from jscaler.cost.fusion import fused_kept, materialised
+from jscaler.cost.memory import (
+    carries_cotangent,
     holds_cotangents,
     local_bytes,
-    needs_grad,
     saved_for_backward,
     shared_params,
     unit_edges,
 )
-from jscaler.cost.fusion import fused_kept, materialised
 from jscaler.cost.precision import compute_roofs, value_scale
 from jscaler.errors import OutOfMemoryError, PlanError
 from jscaler.ir.graph import Graph, Literal, Op
@@ -354,11 +354,7 @@ def build_problem(
     holding = {o.id for o in graph.ops if holds_cotangents(graph, o)}
 
     def flows(x) -> bool:
-        """Whether ``x`` carries a cotangent the backward holds (materialised, on a
-        fusing backend)."""
-        if isinstance(x, Literal) or x not in needs:
-            return False
-        return moves is None or x in moves
+        return carries_cotangent(x, needs, moves)
 
     def zero_ok(op: Op, s: Strategy) -> bool:
         """Whether ZeRO-2 applies: the op first-reads a parameter whole, with a dim the
@@ -474,10 +470,10 @@ def build_problem(
                         continue
                     key = (shape, isz, back, src, dst)
                     if key not in priced:
-                        moves = convert(shape, isz, src, dst, sizes)
+                        steps = convert(shape, isz, src, dst, sizes)
                         if back:
-                            moves += convert(shape, isz, dst, src, sizes)
-                        priced[key] = sum(coll(kind, nb, axes) for kind, axes, nb in moves)
+                            steps += convert(shape, isz, dst, src, sizes)
+                        priced[key] = sum(coll(kind, nb, axes) for kind, axes, nb in steps)
                     mat[i][j] = priced[key]
             if not any(any(row) for row in mat):
                 continue
@@ -517,7 +513,7 @@ def _reduction_bytes(readers: int, size: float, k: int) -> float:
     """A parameter's bytes at the gradient reduction, as the estimate counts them: its
     gradient as the backward makes it and reduced (split over ``k`` devices by ZeRO-2),
     and two contributions per reader past the first beside them
-    (:func:`~jscaler.cost.estimate.shared_params`)."""
+    (:func:`~jscaler.cost.memory.shared_params`)."""
     return (1 + 2 * (readers - 1)) * size + size / k
 
 
@@ -555,7 +551,7 @@ def _cotangent_phases(graph, where, acts: dict, cots: dict) -> list[dict]:
     bytes per strategy} of its cotangents (``cots``: op id -> bytes per strategy of its
     cluster; its outputs' and the inputs a gradient flows to, in its layouts) less the
     values kept (``acts``, alike) by the ops after it, as the estimate's
-    :func:`~jscaler.cost.estimate.cotangent_extra` counts them. None for an op no choice
+    :func:`~jscaler.cost.memory.cotangent_extra` counts them. None for an op no choice
     can make fuller than 0 or than another op's under every choice, nor for one whose
     cluster has an op after it with cotangents as large under each strategy (a repeated
     layer's: only the last layer's can be the fullest)."""

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import itertools
 
-from jscaler.compile.comm import comm_table
+from jscaler.compile.comm import comm_table, needs_grad
 from jscaler.compile.lower import lower
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
-from jscaler.cost.estimate import device_times, needs_grad
+from jscaler.cost.estimate import device_times
 from jscaler.cost.precision import value_scale
 from jscaler.errors import PlanError
 from jscaler.ir.graph import Graph
