@@ -37,8 +37,8 @@ class Layout:
 
     @property
     def reduced(self) -> Layout:
-        """This layout once its partial sums are added up."""
-        return Layout(self.spec)
+        """This layout once its partial sums are added up (itself when it has none)."""
+        return Layout(self.spec) if self.partial else self
 
     def local_bytes(self, shape, itemsize: int, sizes: dict[str, int]) -> int:
         """Bytes of one device's piece of a tensor of ``shape`` under this layout."""

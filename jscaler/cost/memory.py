@@ -218,6 +218,10 @@ def recompute_groups(plan: Plan) -> dict[int, object]:
 
 
 def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: float = 1.0) -> dict:
+    """An SPMD plan's :attr:`~jscaler.cost.estimate.Estimate.memory` per device (the module
+    doc): lowering ``low`` of graph ``g`` on a mesh of ``sizes``, ``slots`` optimizer
+    slots, activations scaled by ``scale`` and parameter state by ``state``."""
+
     def size(t, layout):
         return local_bytes(g, t, layout, sizes)
 

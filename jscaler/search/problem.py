@@ -372,18 +372,19 @@ def build_problem(
 
     def signature(op: Op) -> tuple:
         """Everything :func:`node_cost` reads of ``op``: ops of the same signature (a
-        repeated layer's op, layer after layer) cost the same under every strategy."""
+        repeated layer's op, layer after layer) cost the same under every strategy.
+        Whether an operand carries a held cotangent (``flows``) follows from its needing a
+        gradient and moving through memory, both in it."""
         ann = op.annotation
         ins = tuple(
             None if isinstance(x, Literal) else (
                 graph.tensors[x].shape, graph.tensors[x].dtype, graph.tensors[x].role,
-                x in needs, x in saved, flows(x), first_reader.get(x) == op.id,
-                len(tied.get(x, (x,))),
+                x in needs, x in saved, first_reader.get(x) == op.id, len(tied.get(x, (x,))),
             )
             for x in op.inputs
         )  # fmt: skip
         outs = tuple(
-            (graph.tensors[x].shape, graph.tensors[x].dtype, x in needs, x in saved, flows(x))
+            (graph.tensors[x].shape, graph.tensors[x].dtype, x in needs, x in saved)
             for x in op.outputs
         )
         moved = tuple(moves is None or t in moves for t in (*op.tensor_inputs, *op.outputs))
@@ -650,5 +651,4 @@ def _reduced(graph: Graph, op: Op, k: int, s: Strategy, mesh: MeshSpec, inputs=F
     if ann is None:
         return _whole(graph.tensors[(op.inputs if inputs else op.outputs)[k]].shape)
     dims = (ann.inputs if inputs else ann.outputs)[k]
-    lay = layout(dims, s, mesh, ann.kinds, not inputs)
-    return lay.reduced if lay.partial else lay
+    return layout(dims, s, mesh, ann.kinds, not inputs).reduced
