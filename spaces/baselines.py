@@ -81,7 +81,7 @@ class AlpaLike:
         cuts = None
         if self.slicing == "dp":
             cuts = slice_stages(
-                graph, plan.groups[0].plan, self.pp, self.microbatches, self.cluster
+                graph, plan.groups[0].plan, self.pp, self.microbatches, self.cluster, self.dtype
             )
             inner_name += ", dp-sliced"
         return replace(plan, name=f"alpa_like(pp={self.pp}, {inner_name})", cuts=cuts)

@@ -5,6 +5,7 @@
 same stages and runs ``F(s, m, k)`` as pass k of stage s.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -134,3 +135,35 @@ def test_zero3_prefetch_leaves_recycled_layers_alone():
     from spaces import zero
 
     assert_parity("recycler-tiny", zero(stage=3))
+
+
+def test_stage_slicing_cuts_a_recycling_model_among_its_runs():
+    """A cut places ops by execution order, so the stage DP cuts a recycling model among
+    its layers' runs (one per layer per pass, each priced on its own: passes 0 and 1 run
+    forward only). Cutting between layers counted once per pass, as it did, put the cut in
+    the first pass and left the other passes to the last stage."""
+    from jscaler.cost import estimate_pipeline
+    from jscaler.search import StagedILP, layer_costs
+
+    cfg = recycler.tiny()
+    graph = graph_of(recycler.loss)
+    plan = StagedILP(2, microbatches=4, cache=False)(graph, 4)
+    runs = layer_costs(plan.groups[0].plan)
+    firsts, costs = [f for f, _ in runs], [c for _, c in runs]
+    pass_of = pass_of_ops(graph, cfg.passes)
+    each = [k for k in range(cfg.passes) for _ in range(cfg.n_layers)]
+    assert [pass_of[f] for f in firsts] == each
+    assert firsts == sorted(firsts) and costs[0] < costs[-1]  # forward only < trained
+    (cut,) = plan.cuts
+    k = firsts.index(cut)
+
+    def slowest(j):  # the slower stage's cost with the cut before run j
+        return max(sum(costs[:j]), sum(costs[j:]))
+
+    assert slowest(k) <= min(slowest(j) for j in range(1, len(runs)))
+    assert pass_of[cut] >= 1
+    once = dataclasses.replace(plan, cuts=(firsts[2],))  # the cut between layers once
+    assert (
+        estimate_pipeline(plan, microbatches=4).step_time
+        < estimate_pipeline(once, microbatches=4).step_time
+    )

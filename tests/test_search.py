@@ -234,6 +234,13 @@ def test_searched_plans_are_cached_by_graph_mesh_and_cluster(gpt_graph, tmp_path
     assert len(list((tmp_path / "plans").glob("intra_op-*.json"))) == 2
 
 
+def test_a_model_that_runs_each_layer_once_has_a_run_per_layer(gpt_graph):
+    runs = gpt_graph.layer_runs()
+    layers = gpt_graph.layers()
+    assert [i for i, _ in runs] == list(range(len(layers)))
+    assert [ids for _, ids in runs] == [tuple(o.id for o in lay.graph.ops) for lay in layers]
+
+
 def test_stage_slicing_is_optimal_and_balances_uneven_layers():
     import itertools
     import random

@@ -246,6 +246,24 @@ class Graph(Memoized):
             object.__setattr__(self, "_layer_cache", cached)
         return cached
 
+    def layer_runs(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """The runs of repeated layers in execution order: per maximal run of one layer's
+        ops (ops outside every layer end a run and belong to none), the layer's index in
+        :meth:`layers` and the run's op ids. A model that runs its layers once per forward
+        pass (AlphaFold2's recycling) has a run per layer per pass; others, one per layer.
+        """
+        index = {o.id: i for i, lay in enumerate(self.layers()) for o in lay.graph.ops}
+        runs: list[tuple[int, list[int]]] = []
+        last = None  # the layer of the op before (None: outside every layer)
+        for o in self.ops:
+            here = index.get(o.id)
+            if here is not None:
+                if here != last:
+                    runs.append((here, []))
+                runs[-1][1].append(o.id)
+            last = here
+        return tuple((i, tuple(ids)) for i, ids in runs)
+
     def _find_layers(self) -> tuple[Layer, ...]:
         members: dict[tuple[str, str], dict[int, list[Op]]] = {}
         for o in self.ops:

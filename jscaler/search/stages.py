@@ -8,10 +8,15 @@ dynamic programming over (layers placed, stages used) for every candidate bottle
 ``t_max`` (Alpa enumerates the same way): ``best(t_max) = min sum(t_s)`` over splits with
 every ``t_s <= t_max``; the answer is ``min over t_max of best(t_max) + (m - 1) t_max``.
 
-Layer costs come from the cost model: each op's forward and backward on the roofline
-(slowest device of the stage's plan) plus the collectives of the tensors it makes, summed
-per repeated layer; ops outside the layers (an embedding, a head) join the first or last
-stage. ``slice_stages`` returns the cut op ids a :class:`PipelinePlan` takes (``cuts``).
+The units cut are the *runs* of repeated layers in execution order: a run is a layer's
+ops from one start to the next op outside it, so a model that runs its layers once per
+forward pass (AlphaFold2's recycling) has one run per layer per pass, and the cuts, which
+place ops by execution order (``PipelinePlan.cuts``), fall where the costs say. A run's
+cost comes from the cost model: each op's forward and backward on the roofline (slowest
+device of the stage's plan) plus the collectives of the tensors it makes; ops outside the
+layers (an embedding, a head, the glue between passes) ride with the run before them, those
+before the first run with the first, as a cut at a run's first op places them.
+``slice_stages`` returns the cut op ids a :class:`PipelinePlan` takes (``cuts``).
 """
 
 from __future__ import annotations
@@ -31,13 +36,15 @@ from jscaler.plan.plan import Plan
 __all__ = ["best_split", "layer_costs", "slice_stages"]
 
 
-def layer_costs(plan: Plan, cluster: str | Cluster = "cpu", dtype: str = "fp32"):
-    """(per repeated layer seconds, seconds before the first layer, after the last) of one
-    micro-batch's forward + backward under ``plan`` (a stage group's plan)."""
+def layer_costs(
+    plan: Plan, cluster: str | Cluster = "cpu", dtype: str = "fp32"
+) -> list[tuple[int, float]]:
+    """Per run of a repeated layer (see the module doc), in execution order: its first op
+    id and the seconds of one micro-batch's forward + backward of it and of the ops outside
+    the layers that ride with it, under ``plan`` (a stage group's plan)."""
     cl = get_cluster(cluster)
     g = plan.pgraph.graph
-    layers = plan.graph.layers()
-    if not layers:
+    if not plan.graph.layers():
         raise PlanError("stage slicing cuts repeated layers; the graph has none")
     recomputed = {o for grp in plan.recompute for o in grp}
     times = device_times(plan, cl, dtype, needs_grad(g), recomputed)
@@ -53,19 +60,13 @@ def layer_costs(plan: Plan, cluster: str | Cluster = "cpu", dtype: str = "fp32")
             nbytes = r.bytes * value_scale(dtype, g)
             t = collective_time(r.collective, nbytes, mesh.group(**fixed), cl) * r.times
             op_cost[producer[r.tensor]] = op_cost.get(producer[r.tensor], 0.0) + t
-    layer_of = {o.id: i for i, lay in enumerate(layers) for o in lay.graph.ops}
-    order = [o.id for o in g.ops]
-    head = min(k for k, o in enumerate(order) if o in layer_of)
-    costs = [0.0] * len(layers)
-    before = after = 0.0
-    for k, o in enumerate(order):
-        if o in layer_of:
-            costs[layer_of[o]] += op_cost.get(o, 0.0)
-        elif k < head:
-            before += op_cost.get(o, 0.0)
-        else:
-            after += op_cost.get(o, 0.0)
-    return costs, before, after
+    starts = {ids[0]: k for k, (_, ids) in enumerate(plan.graph.layer_runs())}
+    costs = [0.0] * len(starts)
+    k = 0  # ops before the first run ride with it
+    for o in g.ops:
+        k = starts.get(o.id, k)
+        costs[k] += op_cost.get(o.id, 0.0)
+    return list(zip(starts, costs))
 
 
 def best_split(costs: list[float], pp: int, microbatches: int) -> tuple[list[int], float]:
@@ -115,15 +116,12 @@ def slice_stages(
     dtype: str = "fp32",
 ) -> tuple[int, ...]:
     """The op ids starting stages 1..pp-1 (``PipelinePlan.cuts``) for ``graph``'s layers
-    cut by :func:`best_split` of their costs under ``plan`` (a stage group's plan)."""
-    costs, before, after = layer_costs(plan, cluster, dtype)
-    costs = list(costs)
-    costs[0] += before  # the embedding rides with the first layer, the head with the last
-    costs[-1] += after
-    sizes, _ = best_split(costs, pp, microbatches)
-    layers = graph.layers()
+    cut by :func:`best_split` of their runs' costs (:func:`layer_costs`) under ``plan`` (a
+    stage group's plan)."""
+    runs = layer_costs(plan, cluster, dtype)
+    sizes, _ = best_split([secs for _, secs in runs], pp, microbatches)
     starts, k = [], 0
     for size in sizes[:-1]:
         k += size
-        starts.append(min(o.id for o in layers[k].graph.ops))
+        starts.append(runs[k][0])
     return tuple(starts)
