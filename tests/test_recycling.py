@@ -18,6 +18,7 @@ import jscaler
 import models
 from jscaler.errors import PlanError
 from jscaler.plan.pipeline import pass_of_ops
+from jscaler.search import StagedILP
 from models import recycler
 from schedules import one_f_one_b, table7_3f1b, three_f_one_b
 from spaces import megatron
@@ -74,6 +75,12 @@ def test_every_pass_is_cut_into_the_same_stages():
 def test_a_one_pass_schedule_also_trains_a_recycling_model():
     trainer = trained("megatron(pp=2)", 2, one_f_one_b)
     assert len(trainer.program.driver.programs) == 2
+
+
+def test_a_recycling_model_cut_among_its_runs_trains_like_one_device():
+    trainer = trained("StagedILP(2, microbatches=2, cache=False)", 2, one_f_one_b)
+    (cut,) = trainer.program.plan.cuts  # the stage DP's, past the first pass
+    assert pass_of_ops(graph_of(recycler.loss), 3)[cut] >= 1
 
 
 def graph_of(loss):
@@ -143,7 +150,7 @@ def test_stage_slicing_cuts_a_recycling_model_among_its_runs():
     forward only). Cutting between layers counted once per pass, as it did, put the cut in
     the first pass and left the other passes to the last stage."""
     from jscaler.cost import estimate_pipeline
-    from jscaler.search import StagedILP, layer_costs
+    from jscaler.search import layer_costs
 
     cfg = recycler.tiny()
     graph = graph_of(recycler.loss)
