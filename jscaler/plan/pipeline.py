@@ -195,7 +195,8 @@ def stage_of_ops(
     later one within a forward pass.
 
     Repeated layers are dealt out in contiguous, balanced runs (a layer's copies in every
-    pass of ``pass_of`` get the same stage); ops outside layers join the stage of their
+    pass of ``pass_of`` get the same stage; with one pass, a recycling model's layer runs,
+    :meth:`Graph.layer_runs`, are dealt out instead); ops outside layers join the stage of their
     inputs from the same pass (or, reading none, of their first consumer in it). A graph
     without layers is cut at balanced cumulative FLOPs per pass. ``cuts`` (op ids
     starting stages 1..S-1) overrides both.
@@ -214,11 +215,16 @@ def stage_of_ops(
         seed = _explicit(graph, n_stages, cuts)
     else:
         layers = graph.layers()
-        if len(layers) >= n_stages:
+        # one forward pass: deal the layers' runs (a recycling model's layer runs once per
+        # pass, and a stage takes ops in execution order); several: each pass's copies of
+        # a layer on the same stage
+        units = [ids for _, ids in graph.layer_runs()] if n_passes == 1 else []
+        units = units or [[o.id for o in layer.graph.ops] for layer in layers]
+        if len(units) >= n_stages:
             seed = {}
-            for i, layer in enumerate(layers):
-                s = i * n_stages // len(layers)
-                seed.update({o.id: s for o in layer.graph.ops})
+            for i, ids in enumerate(units):
+                s = i * n_stages // len(units)
+                seed.update({o: s for o in ids})
         else:
             seed = {}
             for k in range(n_passes):
