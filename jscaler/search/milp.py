@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jscaler.search.problem import Problem, memory_unit
+from jscaler.search.problem import Problem, memory_unit, phase_totals
 
 __all__ = ["Milp", "Result"]
 
@@ -126,18 +126,11 @@ class Milp:
         if p.capacity is None:
             return []
         cap = p.capacity // self.unit
-        most = [max(self._units(b) for b in row) for row in p.memory]
-        base = sum(most) + sum(max([0.0, *(self._units(b) for b in t.kept)]) for t in p.tied)
+        _, totals = phase_totals(p.memory, p.peaks, self._units, max)
+        ties = sum(max([0.0, *(self._units(b) for b in t.kept)]) for t in p.tied)
         grads = sum(max([0.0, *(self._units(b) for b in t.held)]) for t in p.tied)
-        out = []
-        for k, pk in enumerate(p.peaks):
-            total = base + (grads if k == len(p.peaks) - 1 else 0.0)
-            for c, row in pk.items():
-                total += max(self._units(m) + self._units(b) for m, b in zip(p.memory[c], row))
-                total -= most[c]
-            if total > cap:
-                out.append(k)
-        return out
+        last = len(totals) - 1
+        return [k for k, t in enumerate(totals) if t + ties + (grads if k == last else 0.0) > cap]
 
     def phase(self, k: int) -> list[tuple[int, float]]:
         """``w - sum peak * x >= 0`` of phase ``k`` (the last: the gradient reduction,

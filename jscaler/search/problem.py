@@ -80,6 +80,7 @@ __all__ = [
     "memory_unit",
     "no_fit",
     "objective",
+    "phase_totals",
 ]
 
 Strategy = tuple  # per mesh axis: a dim name or None
@@ -617,15 +618,22 @@ def fits_at_all(memory: list[list[float]], capacity: float, peaks=()) -> bool:
 
 def _least(memory, peaks, unit) -> float:
     """:func:`least_memory` with every term in ``unit`` (bytes, or the solver's units)."""
+    kept, phases = phase_totals(memory, peaks, unit, min)
+    return max([kept, *phases])
+
+
+def phase_totals(memory, peaks, unit, pick) -> tuple[float, list[float]]:
+    """The kept bytes and each phase's (kept and phase bytes together) where every cluster
+    takes the strategy ``pick`` (``min``: the leanest, ``max``: the fullest) finds, in the
+    kept bytes and in each phase on its own; every term in ``unit``. A phase leaves out
+    the clusters that hold no more than their kept bytes in it."""
     kept = [[unit(b) for b in row] for row in memory]
-    low = [min(row) for row in kept]
-    base = least = sum(low)
-    for pk in peaks:  # the clusters a phase leaves out hold their leanest kept bytes
-        both = base + sum(
-            min(k + unit(b) for k, b in zip(kept[c], r)) - low[c] for c, r in pk.items()
-        )  # fmt: skip
-        least = max(least, both)
-    return least
+    chosen = [pick(row) for row in kept]
+    base = sum(chosen)
+    return base, [
+        base + sum(pick(k + unit(b) for k, b in zip(kept[c], r)) - chosen[c] for c, r in pk.items())
+        for pk in peaks
+    ]
 
 
 def no_fit(mesh: MeshSpec, capacity: float, memory: list[list[float]], peaks=()) -> PlanError:
