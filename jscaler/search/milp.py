@@ -6,7 +6,7 @@ edge a ``e[a, b, i, j] >= 0`` per strategy pair, tied to the ``x`` by ``sum_j e[
 so it need not be declared integral). Strategies whose rows (columns) of an edge's costs
 are equal, such as an op's strategy and its ZeRO twin, which make and read the same
 layouts, share one ``e`` row (column), tied to the sum of their ``x``: the same optimum and
-LP bound (split a shared ``e`` in proportion to the ``x``) with fewer variables (a quarter
+LP bound (split a shared ``e`` in proportion to the ``x``) with fewer variables (a fifth
 fewer on paper-scale AlphaFold2). Minimise ``sum node * x + sum edge * e`` (in
 microseconds) plus ``z >= sum (hidden - backward) * x``, ``z >= 0`` (the gradient
 reductions the backward does not hide), under ``sum memory * x + w <= capacity`` with ``w``

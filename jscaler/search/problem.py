@@ -623,10 +623,10 @@ def _least(memory, peaks, unit) -> float:
 
 
 def phase_totals(memory, peaks, unit, pick) -> tuple[float, list[float]]:
-    """The kept bytes and each phase's (kept and phase bytes together) where every cluster
-    takes the strategy ``pick`` (``min``: the leanest, ``max``: the fullest) finds, in the
-    kept bytes and in each phase on its own; every term in ``unit``. A phase leaves out
-    the clusters that hold no more than their kept bytes in it."""
+    """The kept bytes, and each phase's kept and phase bytes together, with every cluster
+    at the strategy ``pick`` chooses (``min``: the leanest, ``max``: the fullest), chosen
+    apart for the kept bytes and for each phase; every term in ``unit``. A cluster a phase
+    leaves out holds its kept bytes in it."""
     kept = [[unit(b) for b in row] for row in memory]
     chosen = [pick(row) for row in kept]
     base = sum(chosen)
