@@ -38,6 +38,7 @@ from jscaler.plan import (
     recompute_layers,
     split_classes,
 )
+from spaces.knobs import check_int
 from spaces.megatron import infer_dp, param_source, sequence_axes
 from spaces.zero import zero_over
 
@@ -98,6 +99,7 @@ class Ulysses:
     zero: int = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
+        check_int("ulysses", "sp", self.sp)
         dp = infer_dp(n_devices, self.sp, 1, self.dp, "ulysses", "sp")
         mesh = MeshSpec.create(dp=dp, sp=self.sp)
         plan = Plan.create(graph, mesh, name=f"ulysses(sp={self.sp}, dp={dp})")
@@ -149,6 +151,8 @@ def ulysses(
 def _ring_plan(graph, n_devices, *, ring: int, uly: int, dp, space: str, name: str) -> Plan:
     """Sequence split over ``ring`` x ``uly`` (ring major), attentions as ring regions over
     ``ring`` and, when ``uly`` > 1, split by heads over ``uly`` (Ulysses inside)."""
+    check_int(space, "ring" if space == "usp" else "sp", ring)
+    check_int(space, "ulysses", uly)
     dp = infer_dp(n_devices, ring * uly, 1, dp, space, "sp" if uly == 1 else "ring*ulysses")
     axes = {"dp": dp, "ring": ring} | ({"uly": uly} if uly > 1 else {})
     plan = Plan.create(graph, MeshSpec.create(**axes), name=name.format(dp=dp))

@@ -13,6 +13,7 @@ import jscaler
 import models
 from jscaler.compile.hlo import collectives, summarize
 from spaces import ring, ulysses, usp
+from spaces.sequence import USP, Ring, Ulysses
 
 from parity import assert_parity, run_plan
 
@@ -121,3 +122,11 @@ def test_sequence_parallelism_combines_with_zero_and_recompute(plan):
 def test_zero_needs_a_data_parallel_axis():
     with pytest.raises(jscaler.PlanError, match="shards over the 'dp' axis, which has 1"):
         run_plan("gpt-tiny", ring(sp=8, zero=1), steps=1)
+
+
+@pytest.mark.parametrize(
+    "space", [USP(ulysses="2", ring=2), USP(ulysses=2, ring="2"), Ring(sp="2"), Ulysses(sp=2.0)]
+)
+def test_a_sequence_space_refuses_a_degree_that_is_not_an_int(space):
+    with pytest.raises(jscaler.PlanError, match=r"must be a positive int, got"):
+        space(None, 8)  # checked before the graph is read
