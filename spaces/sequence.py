@@ -99,7 +99,6 @@ class Ulysses:
     zero: int = 0
 
     def __call__(self, graph: jscaler.Graph, n_devices: int) -> Plan:
-        check_int("ulysses", "sp", self.sp)
         dp = infer_dp(n_devices, self.sp, 1, self.dp, "ulysses", "sp")
         mesh = MeshSpec.create(dp=dp, sp=self.sp)
         plan = Plan.create(graph, mesh, name=f"ulysses(sp={self.sp}, dp={dp})")
