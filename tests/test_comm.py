@@ -72,6 +72,9 @@ AGREE = {
     ("gpt-tiny", "ring(sp=8)"): ring(sp=8),
     # a tied embedding (lookups and LM head) gathered once for its three readers
     ("t5-tiny", "zero(3)"): zero(3),
+    # a table stored whole with its gradient split by rows: XLA gathers the lookup's
+    # cotangent and indices (smaller than t5-tiny's table) and scatters into its own rows
+    ("t5-tiny", "zero(2)"): zero(2),
     # the zeros a scatter writes into, made split and read whole: made again, not gathered
     ("moe-tiny-dropless", "expert(ep=4, tp=2)"): expert(ep=4, tp=2),
     # gradients partial over two mesh axes: the CPU backend reduces them one axis at a

@@ -148,6 +148,36 @@ def _reduce(shape, itemsize, layout: Layout, partial, target: Layout, sizes):
     return [("all-reduce", partial, local)]
 
 
+def _total(moves) -> int:
+    return sum(nbytes for _, _, nbytes in moves)
+
+
+def _lookup_gather(op, x, lay, target, partial, lays, info, made, sizes):
+    """An embedding lookup's table gradient made where it is stored, or None.
+
+    When the table is stored whole (no forward gather, whose transpose is the
+    reduce-scatter) but its gradient is kept split by rows (ZeRO-1/2) and the
+    lookup runs split over ``partial`` (the batch), XLA can gather the lookup's output
+    cotangent and its indices over those axes and scatter into each device's own rows,
+    instead of scattering the whole table and reduce-scattering it; it does whichever
+    moves fewer bytes (a GPT-2 token table: the micro-batch's cotangent; its short position
+    table: the table). ``[(collective, axes, bytes)]`` for the first way."""
+    if op.primitive != "gather" or op.eqn is None or x != op.inputs[0]:
+        return None
+    indexed = set(op.eqn.params["dimension_numbers"].start_index_map)
+    split = {d for d, axes in enumerate(target.spec) if any(a not in lay.spec[d] for a in axes)}
+    if not split or not split <= indexed:
+        return None
+    out = []
+    for t, have in ((op.outputs[0], lays.outputs[0]), (op.inputs[1], lays.inputs[1])):
+        if isinstance(t, Literal) or t in made or have is None:
+            continue
+        whole = Layout(tuple(tuple(a for a in axes if a not in partial) for axes in have.spec))
+        shape, isz = info(t)
+        out += convert(shape, isz, have.reduced, whole, sizes)
+    return out
+
+
 def comm_table(lowered, microbatches: int = 1) -> CommTable:
     """The collectives one training step under ``lowered`` implies (see module doc);
     computed once per lowering and micro-batch count."""
@@ -249,6 +279,11 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
             shape, isz = info(x)
             target = grad_target.get(x, producer_layout[x])
             red = _reduce(shape, isz, lay, partial, target, sizes)
+            read_as_stored = lambda: not convert(shape, isz, producer_layout[x], lay, sizes)  # noqa: E731, B023
+            if red and red[0][0] == "reduce-scatter" and read_as_stored():
+                gathered = _lookup_gather(op, x, lay, target, partial, lays, info, made, sizes)
+                if gathered is not None and _total(gathered) < _total(red):
+                    red = gathered
             for kind, axes, nbytes in red:
                 add("backward", kind, x, op.path, axes, nbytes, m, op.id)
             after = lay

@@ -332,7 +332,11 @@ def build_problem(
                 # reduce-scatter (hidden; none when every device computed the whole
                 # gradient), and all-gather the new parameters after the update (exposed)
                 if missing:
-                    grads += coll("reduce-scatter", local(x, lay), missing, combined=True)
+                    gathered = lookup_cotangent(op, x, s, missing)
+                    if gathered is not None and gathered < local(x, lay):  # as compile.comm
+                        grads += coll("all-gather", gathered, missing, combined=True)
+                    else:
+                        grads += coll("reduce-scatter", local(x, lay), missing, combined=True)
                 t += coll("all-gather", local(x, lay), names, combined=True)
             elif diff and x in needs and missing:
                 if param:
@@ -350,6 +354,23 @@ def build_problem(
                 if x in needs:
                     held += _reduction_bytes(len(tied.get(x, (x,))), size, k)
         return t, grads, back * once, mem + kept, held - kept, kept, cot
+
+    def lookup_cotangent(op: Op, x, s: Strategy, missing) -> float | None:
+        """The bytes an embedding lookup gathers (its output cotangent and indices over
+        ``missing``) to scatter its table's gradient into ZeRO's row shards in place, or
+        None when ``x`` is not a table split by ZeRO on an indexed dim."""
+        if op.primitive != "gather" or op.eqn is None or x != op.inputs[0]:
+            return None
+        if shard_dim(graph.tensors[x].shape, mesh.size) not in set(
+            op.eqn.params["dimension_numbers"].start_index_map
+        ):
+            return None
+        ann, k = op.annotation, math.prod(sizes[a] for a in missing)
+        out = local(op.outputs[0], layout(ann.outputs[0], s, mesh, ann.kinds, True))
+        ids = op.inputs[1]
+        if isinstance(ids, Literal):
+            return k * out
+        return k * (out + local(ids, layout(ann.inputs[1], s, mesh, ann.kinds, False)))
 
     # ops whose backward holds cotangents of their own: once per op, not per strategy
     holding = {o.id for o in graph.ops if holds_cotangents(graph, o)}
