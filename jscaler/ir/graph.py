@@ -251,7 +251,15 @@ class Graph(Memoized):
         ops (ops outside every layer end a run and belong to none), the layer's index in
         :meth:`layers` and the run's op ids. A model that runs its layers once per forward
         pass (AlphaFold2's recycling) has a run per layer per pass; others, one per layer.
+        Computed once per graph.
         """
+        cached = self.__dict__.get("_run_cache")
+        if cached is None:
+            cached = self._find_runs()
+            object.__setattr__(self, "_run_cache", cached)
+        return cached
+
+    def _find_runs(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         index = {o.id: i for i, lay in enumerate(self.layers()) for o in lay.graph.ops}
         runs: list[tuple[int, list[int]]] = []
         last = None  # the layer of the op before (None: outside every layer)
