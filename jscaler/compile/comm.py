@@ -213,8 +213,10 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
     # ---- forward: reductions at producers, conversions at consumers ------------------
     # a weight (a tied embedding read by the lookup and the LM head) converted to the same
     # layout by several ops is converted once in the forward: XLA merges the identical
-    # collectives on one parameter (the recomputed forward converts it again); an
-    # activation's conversions stay one per consumer, as XLA leaves them
+    # collectives on one parameter (the recomputed forward converts it again); so it does
+    # an activation's identical all-to-alls (AlphaFold2's DAP: two readers of one value in
+    # the triangle attention), while an activation's all-gathers stay one per consumer
+    # (sequence parallelism's before q, k and v), as XLA leaves them
     weights = from_params_only(g)
     made = remade(g)
     converted = set()
@@ -235,13 +237,13 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
             shape, isz = info(x)
             again = [("recompute", m)] if x in regathered and op.id not in recomputed else []
             todo = phases + again
-            if x in weights:
-                if (x, lay) in converted:
-                    todo = [p for p in todo if p[0] != "forward"]
-                converted.add((x, lay))
+            twice = (x, lay) in converted  # another reader converted it so in the forward
+            converted.add((x, lay))
             for kind, axes, nbytes in convert(shape, isz, producer_layout[x], lay, sizes):
                 for phase, times in todo:
-                    add(phase, kind, x, op.path, axes, nbytes, times, op.id)
+                    merged = x in weights or kind == "all-to-all"
+                    if not (twice and merged and phase == "forward"):
+                        add(phase, kind, x, op.path, axes, nbytes, times, op.id)
         for t, lay in zip(op.outputs, lays.outputs):
             final = output_layout(lowered, op, t, lay)
             producer_layout[t] = final
