@@ -240,11 +240,7 @@ class Graph(Memoized):
         parallel (``attns/i`` and ``mlps/i``) and form one layer per index. Computed once
         per graph.
         """
-        cached = self.__dict__.get("_layer_cache")
-        if cached is None:
-            cached = self._find_layers()
-            object.__setattr__(self, "_layer_cache", cached)
-        return cached
+        return self._once("_layer_cache", self._find_layers)
 
     def layer_runs(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """The runs of repeated layers in execution order: per maximal run of one layer's
@@ -253,10 +249,14 @@ class Graph(Memoized):
         pass (AlphaFold2's recycling) has a run per layer per pass; others, one per layer.
         Computed once per graph.
         """
-        cached = self.__dict__.get("_run_cache")
+        return self._once("_run_cache", self._find_runs)
+
+    def _once(self, key: str, make):
+        """``make()``, computed on the first call and kept on the graph under ``key``."""
+        cached = self.__dict__.get(key)
         if cached is None:
-            cached = self._find_runs()
-            object.__setattr__(self, "_run_cache", cached)
+            cached = make()
+            object.__setattr__(self, key, cached)
         return cached
 
     def _find_runs(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
