@@ -156,7 +156,7 @@ def _lookup_gather(op, x, lay, target, partial, lays, info, made, sizes):
     """An embedding lookup's table gradient made where it is stored, or None.
 
     When the table is stored whole (no forward gather, whose transpose is the
-    reduce-scatter) but its gradient is kept split by rows (ZeRO-1/2) and the
+    reduce-scatter) but its gradient is kept split by rows (ZeRO-2) and the
     lookup runs split over ``partial`` (the batch), XLA can gather the lookup's output
     cotangent and its indices over those axes and scatter into each device's own rows,
     instead of scattering the whole table and reduce-scattering it; it does whichever
@@ -281,8 +281,9 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
             shape, isz = info(x)
             target = grad_target.get(x, producer_layout[x])
             red = _reduce(shape, isz, lay, partial, target, sizes)
-            read_as_stored = lambda: not convert(shape, isz, producer_layout[x], lay, sizes)  # noqa: E731, B023
-            if red and red[0][0] == "reduce-scatter" and read_as_stored():
+            scattered = red and red[0][0] == "reduce-scatter"
+            if scattered and not convert(shape, isz, producer_layout[x], lay, sizes):
+                # read as stored: no forward gather whose transpose is the reduce-scatter
                 gathered = _lookup_gather(op, x, lay, target, partial, lays, info, made, sizes)
                 if gathered is not None and _total(gathered) < _total(red):
                     red = gathered
