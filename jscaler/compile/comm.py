@@ -152,6 +152,14 @@ def _total(moves) -> int:
     return sum(nbytes for _, _, nbytes in moves)
 
 
+def table_rows(op, x) -> frozenset[int]:
+    """The dims of ``x`` an embedding lookup ``op`` indexes when ``x`` is its table (a
+    gather's operand), else none; shared with the ILP's pricing of the same rule."""
+    if op.primitive != "gather" or op.eqn is None or x != op.inputs[0]:
+        return frozenset()
+    return frozenset(op.eqn.params["dimension_numbers"].start_index_map)
+
+
 def _lookup_gather(op, x, lay, target, partial, lays, info, made, sizes):
     """An embedding lookup's table gradient made where it is stored, or None.
 
@@ -162,9 +170,7 @@ def _lookup_gather(op, x, lay, target, partial, lays, info, made, sizes):
     instead of scattering the whole table and reduce-scattering it; it does whichever
     moves fewer bytes (a GPT-2 token table: the micro-batch's cotangent; its short position
     table: the table). ``[(collective, axes, bytes)]`` for the first way."""
-    if op.primitive != "gather" or op.eqn is None or x != op.inputs[0]:
-        return None
-    indexed = set(op.eqn.params["dimension_numbers"].start_index_map)
+    indexed = table_rows(op, x)
     split = {d for d, axes in enumerate(target.spec) if any(a not in lay.spec[d] for a in axes)}
     if not split or not split <= indexed:
         return None

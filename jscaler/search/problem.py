@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 
-from jscaler.compile.comm import NON_DIFFERENTIABLE, convert, needs_grad
+from jscaler.compile.comm import NON_DIFFERENTIABLE, convert, needs_grad, table_rows
 from jscaler.compile.layout import Layout
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import collective_time
@@ -359,11 +359,7 @@ def build_problem(
         """The bytes an embedding lookup gathers (its output cotangent and indices over
         ``missing``) to scatter its table's gradient into ZeRO's row shards in place, or
         None when ``x`` is not a table split by ZeRO on an indexed dim."""
-        if op.primitive != "gather" or op.eqn is None or x != op.inputs[0]:
-            return None
-        if shard_dim(graph.tensors[x].shape, mesh.size) not in set(
-            op.eqn.params["dimension_numbers"].start_index_map
-        ):
+        if shard_dim(graph.tensors[x].shape, mesh.size) not in table_rows(op, x):
             return None
         ann, k = op.annotation, math.prod(sizes[a] for a in missing)
         out = local(op.outputs[0], layout(ann.outputs[0], s, mesh, ann.kinds, True))
