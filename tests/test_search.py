@@ -1,11 +1,16 @@
 """The op-trans + op-assign ILP: optimal against brute force, memory-aware, runs."""
 
+import math
+
 import jax.numpy as jnp
 import pytest
 
 import jscaler
 import models
-from jscaler.cost import estimate
+from jscaler.compile.comm import comm_table
+from jscaler.compile.lower import lower
+from jscaler.cost import estimate, get_cluster
+from jscaler.cost.collective import collective_time
 from jscaler.plan import MeshSpec
 from jscaler.search import brute_force, build_problem, intra_op, objective, solve
 from jscaler.search.ilp import Solution, descent, greedy, to_plan
@@ -174,6 +179,38 @@ def test_a_tied_parameter_is_counted_as_the_lowering_stores_it():
         other = next(j for j in range(len(p.strategies[c])) if j not in same[s])
         check([other if k == c else v for k, v in enumerate(alike)], apart=True)
     assert checked[True] and checked[False]
+
+
+def test_a_zero2_lookup_prices_its_table_gradient_as_the_comm_table_moves_it():
+    """T5's token table (512 x 32, 65.5 KB) stored whole under ZeRO-2, its gradient split
+    by rows, the lookup split by the batch: XLA gathers the lookup's output cotangent and
+    indices (16.9 KB) and scatters into each device's rows, as the comm table predicts
+    (held to the HLO in test_comm). The ILP's gradient seconds for that choice are the
+    table's all-gathers, not a reduce-scatter of the whole table."""
+    spec = models.get("t5-tiny")
+    g = jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+    mesh = MeshSpec.create(d=8)
+    p = build_problem(g, mesh, "cpu")
+    ops = {o.id: o for o in g.ops}
+    c = next(c for c, ids in enumerate(p.clusters) if ops[ids[0]].primitive == "gather")
+    lookup = ops[p.clusters[c][0]]
+    s = next(s for s, st in enumerate(p.strategies[c]) if p.zero[c][s] and any(st))
+    choice = list(solve(p).choice)
+    choice[c] = s
+    plan = to_plan(p, Solution(tuple(choice), *objective(p, choice), "CHECK"))
+    rows = [
+        r for r in comm_table(lower(plan, None)).rows
+        if r.op == lookup.id and r.phase == "backward"
+    ]  # fmt: skip
+    assert {r.collective for r in rows} == {"all-gather"}
+    cl = get_cluster("cpu")
+
+    def price(kind, nbytes):
+        return collective_time(kind, nbytes, mesh.group(), cl, latency=False)
+
+    assert p.hidden[c][s] == pytest.approx(sum(price("all-gather", r.bytes) for r in rows))
+    table = g.tensors[lookup.inputs[0]]
+    assert p.hidden[c][s] < price("reduce-scatter", 4 * math.prod(table.shape))
 
 
 def test_search_is_deterministic_and_clusters_repeated_layers(gpt_graph):
