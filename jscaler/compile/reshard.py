@@ -109,6 +109,11 @@ def worth_it(low, unit: list[Op]) -> bool:
 VIEWS = frozenset({
     "sharding_constraint", "reshape", "transpose", "squeeze", "expand_dims",
     "broadcast_in_dim", "convert_element_type", "copy",
+    # inside a shard_map (a row-parallel matmul's region): the cast of the weight piece to
+    # the activation's varying axes; saved, it is a residual output of the region and the
+    # gathered weight is kept to the backward (the region's partial evaluation returns
+    # what its backward reads)
+    "pvary",
 })  # fmt: skip
 
 
