@@ -1,7 +1,5 @@
 """The op-trans + op-assign ILP: optimal against brute force, memory-aware, runs."""
 
-import math
-
 import jax.numpy as jnp
 import pytest
 
@@ -11,6 +9,7 @@ from jscaler.compile.comm import comm_table
 from jscaler.compile.lower import lower
 from jscaler.cost import estimate, get_cluster
 from jscaler.cost.collective import collective_time
+from jscaler.cost.memory import local_bytes
 from jscaler.plan import MeshSpec
 from jscaler.search import brute_force, build_problem, intra_op, objective, solve
 from jscaler.search.ilp import Solution, descent, greedy, to_plan
@@ -209,8 +208,8 @@ def test_a_zero2_lookup_prices_its_table_gradient_as_the_comm_table_moves_it():
         return collective_time(kind, nbytes, mesh.group(), cl, latency=False)
 
     assert p.hidden[c][s] == pytest.approx(sum(price("all-gather", r.bytes) for r in rows))
-    table = g.tensors[lookup.inputs[0]]
-    assert p.hidden[c][s] < price("reduce-scatter", 4 * math.prod(table.shape))
+    table = local_bytes(g, lookup.inputs[0], None, mesh.shape)  # whole, in its own dtype
+    assert p.hidden[c][s] < price("reduce-scatter", table)
 
 
 def test_search_is_deterministic_and_clusters_repeated_layers(gpt_graph):

@@ -27,9 +27,7 @@ Measured (8 devices, adamw, per device; plain ``jax.jit`` FSDP in brackets):
 A function of a params pytree has its layers from the parameters' names
 (``Graph.layers``). A layer is resharded only where that saves memory (:func:`worth_it`):
 under ``megatron(tp=4, dp=2, zero=3)`` the weights gathered per layer are smaller than the
-activation the checkpointed layer keeps: resharding cost 7-26 MB while the row-parallel
-weights were kept anyway (see :data:`VIEWS`); since, it is within 0.5% either way
-(gpt-small: 311.3 MB resharded, 312.5 kept). The forward's
+activation the checkpointed layer keeps (measured there). The forward's
 one-layer-ahead prefetch is off inside units (the next layer's gathered weights would be
 a unit's output, kept): each layer gathers when it starts.
 """
