@@ -87,6 +87,7 @@ def test_train_profile_and_the_profile_command(tmp_path):
                "2", "--out", str(tmp_path / "p"), "--json")  # fmt: skip
     row = json.loads(proc.stdout)
     assert row["step_ms"] > 0 and row["predicted_step_ms"] > 0 and 0 < row["mfu"] < 1
+    assert row["traced_step_ms"] > 0  # the steps under the profiler, timed apart
     assert row["memory_mib"] > 0 and row["comm_mb"] > 0 and row["tokens_per_s"] > 0
     events = json.loads((tmp_path / "p" / "timeline.json").read_text())["traceEvents"]
     assert any(e.get("cat") == "comm" for e in events)
