@@ -27,11 +27,11 @@ def register(sub) -> None:
         "measured beside predicted: step time (median after the first, compiling step), "
         "samples or tokens per second and MFU against --cluster's peak, and for SPMD "
         "plans per-device memory (XLA's memory_analysis) and collective bytes per step (the "
-        "compiled HLO). The timed steps run outside the profiler; OUT/trace is a "
-        "jax.profiler trace of as many steps again (their median printed apart: the "
-        "tracer slows each kernel; TensorBoard's profile plugin or https://ui.perfetto.dev), "
-        "and OUT/timeline.json "
-        "(the cost model's timeline of the step, one lane per device or device group).",
+        "compiled HLO). The timed steps run untraced, on batches made beforehand. Writes "
+        "OUT/trace, a jax.profiler trace of as many steps again, their median printed "
+        "apart (TensorBoard's profile plugin or https://ui.perfetto.dev), and "
+        "OUT/timeline.json (the cost model's timeline of the step, one lane per device or "
+        "device group).",
     )
     pr.add_argument("--model", required=True, help="a reference model, e.g. gpt-tiny")
     add_plan(pr, "dp")
