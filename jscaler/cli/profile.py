@@ -73,9 +73,9 @@ def _profile(args) -> int:
         found = collectives(compiled.as_text(), trainer.plan.mesh.axes)
         row["comm_mb"] = sum(c.bytes for c in found) / 1e6
     trainer.step(batch)  # compiles
-    # the timed steps run outside the profiler, on batches made beforehand: gpt-small's
-    # step on an H200 took 6.5 ms so, 8.1 making each batch in the loop (1.7 ms a
-    # batch), 7.3 under the tracer, 9.3 both; the trace is of as many steps again
+    # the timed steps run outside the profiler, on batches made beforehand (the tracer
+    # and making a batch each slow a step: docs/cli.md has the H200 figures); the trace
+    # is of as many steps again
     batches = [spec.batch(batch_size, s + 1) for s in range(args.steps)]
     step_s = _median_step(trainer, batches)
     with jax.profiler.trace(os.path.join(args.out, "trace")):
