@@ -104,7 +104,8 @@ def alpa_like(
     op-assign ILP's plan for ``cluster`` (on ``mesh``, default one axis over the stage's
     devices), costed in ``dtype`` with ``optimizer_slots`` fp32 values of optimizer state
     per parameter; ``recompute``: the fraction of repeated layers checkpointed in the
-    searched plan; ``time_limit``: the ILP's time limit (seconds) per stage mesh."""
+    searched plan; ``time_limit``: the ILP's work limit per stage mesh (seconds of HiGHS's
+    deterministic work: :func:`jscaler.search.ilp.solve`)."""
     return AlpaLike(
         pp, cluster, tuple((mesh or {}).items()), capacity, slicing, microbatches, dtype,
         optimizer_slots, recompute, time_limit,

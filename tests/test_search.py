@@ -1,5 +1,8 @@
 """The op-trans + op-assign ILP: optimal against brute force, memory-aware, runs."""
 
+import subprocess
+import sys
+
 import jax.numpy as jnp
 import pytest
 
@@ -11,8 +14,16 @@ from jscaler.cost import estimate, get_cluster
 from jscaler.cost.collective import collective_time
 from jscaler.cost.memory import local_bytes
 from jscaler.plan import MeshSpec
-from jscaler.search import brute_force, build_problem, intra_op, objective, solve
-from jscaler.search.ilp import Solution, descent, greedy, to_plan
+from jscaler.search import (
+    brute_force,
+    build_problem,
+    intra_op,
+    least_memory,
+    milp,
+    objective,
+    solve,
+)
+from jscaler.search.ilp import Solution, descent, explain, greedy, to_plan
 from jscaler.search.milp import Milp
 from jscaler.search.problem import memory_unit
 
@@ -65,6 +76,43 @@ def test_ilp_equals_brute_force(cluster, mesh, capacity):
 def gpt_graph():
     spec = models.get("gpt-tiny")
     return jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+
+
+@pytest.fixture(scope="module")
+def hard_problem(gpt_graph):
+    """gpt-tiny at 8 devices with 5% more memory than its leanest choice: HiGHS needs about
+    250 limit checks and 8 s of this machine to prove its optimum."""
+    mesh = MeshSpec.create(d=8)
+    free = build_problem(gpt_graph, mesh, "dgx2_v100")
+    least = least_memory(free.memory, free.peaks)
+    return build_problem(gpt_graph, mesh, "dgx2_v100", capacity=1.05 * least)
+
+
+def test_the_ilp_stops_at_a_work_limit_that_load_does_not_move(hard_problem, monkeypatch):
+    """HiGHS stops after a deterministic amount of work (its limit checks weighted by the
+    problem's size), not at a time: cut short, the same problem gets the same answer on an
+    idle machine and on one loaded by two CPU-bound processes."""
+    monkeypatch.setattr(milp, "BACKSTOP", 1000.0)  # the wall clock does not cut it here
+    idle = solve(hard_problem, time_limit=1.0)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded = solve(hard_problem, time_limit=1.0)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert idle.status != "OPTIMAL" and idle.cut == "work"  # cut short, by the work
+    assert (loaded.choice, loaded.status, loaded.cut) == (idle.choice, idle.status, "work")
+    assert loaded.seconds == idle.seconds and loaded.memory == idle.memory
+    assert idle.memory <= hard_problem.capacity
+
+
+def test_a_solve_cut_by_the_wall_clock_backstop_says_so(hard_problem, monkeypatch):
+    monkeypatch.setattr(milp, "BACKSTOP", 1e-6)  # HiGHS's floor: one second of wall clock
+    sol = solve(hard_problem, time_limit=100.0)
+    assert sol.status != "OPTIMAL" and sol.cut == "wall clock"
+    assert sol.memory <= hard_problem.capacity
+    assert "wall-clock backstop: another machine may end elsewhere" in explain(hard_problem, sol)
 
 
 def test_memory_capacity_changes_the_plan_and_gives_it_back(gpt_graph):

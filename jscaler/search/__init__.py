@@ -1,7 +1,7 @@
 """Search: the op-trans + op-assign ILP (HiGHS) over per-op strategies on a mesh.
 
 Owns :func:`build_problem` (strategies, node/edge costs and memory from the cost model),
-:func:`solve` (HiGHS, deterministic within its time limit), :func:`brute_force` (the
+:func:`solve` (HiGHS, stopped by a deterministic work limit), :func:`brute_force` (the
 check on small graphs), :func:`to_plan` and the space-like :func:`intra_op`; and
 :func:`search_order`, the op-order search over pipeline blocks (CP-SAT scheduling under
 a memory bound);

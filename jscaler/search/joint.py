@@ -15,13 +15,14 @@ whole size, its recomputed layers' forward again, over every device:
 candidates being tried in order of that bound; an ILP problem met twice (Alpa's one-stage
 plan is the engine's ILP with recompute) is solved once
 (:func:`jscaler.search.shared_solves`), and one no strategy choice fits fails before its
-edges are priced; each ILP has a solver time limit
+edges are priced; each ILP has a solver work limit
 (its FEASIBLE answer is the best it found, and the row says so); ``time_limit`` caps the
 whole search and returns the best so far, saying so. A pipeline predicted under several
 schedules of the same stages shares their per-stage costs
 (:func:`jscaler.cost.pipeline.shared_costs`). Same inputs, same result: the order is
-fixed and the solvers are deterministic (HiGHS single-threaded, up to its time limit: a
-solve cut short by it may end elsewhere on a slower machine); the winner is returned as
+fixed and the solvers are deterministic (HiGHS single-threaded and seeded, stopped by a
+work limit; only its wall-clock backstop, at three times that, ends where a machine's speed
+says, and the row says so); the winner is returned as
 it was planned. Results are cached: the table of every candidate's prediction under
 ``<cache_dir>/plans/auto-*.json``, keyed by the graphs, devices, cluster, capacity, dtype,
 optimizer slots, expert skew, the candidates' names and the search version; a cached
@@ -210,7 +211,8 @@ def search(
       candidates: more candidates, beside the engine's (``builtin``) and the registered
         ones (``registered``).
       time_limit: seconds for the whole search (None: no limit); ``ilp_time_limit``: the
-        ILP's time limit per solve (seconds of HiGHS); ``ilp_meshes``: the meshes the engine's
+        ILP's work limit per solve (seconds of HiGHS's work, deterministic:
+        :func:`jscaler.search.ilp.solve`); ``ilp_meshes``: the meshes the engine's
         ILP runs on (``"one"`` axis, or ``"all"`` two-axis ones too; see
         :func:`builtin_candidates`).
     """
@@ -389,8 +391,10 @@ def _evaluate(c: Candidate, m, graph, n, knobs, schedules) -> list[tuple]:
     planned = time.perf_counter() - t0
     solver = plan.solved
     note = ""
-    if solver is not None and solver[1].status == "FEASIBLE":
-        note = "ILP time limit: its best so far"
+    if solver is not None and solver[1].cut == "wall clock":
+        note = "ILP wall-clock backstop: its best so far (another machine may differ)"
+    elif solver is not None and solver[1].status != "OPTIMAL":
+        note = "ILP work limit: its best so far"
     out = []
     for k, (sched, plan_s) in enumerate(_schedules_for(plan, schedules)):
         t1 = time.perf_counter() - (planned if k == 0 else 0.0)

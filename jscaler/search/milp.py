@@ -19,6 +19,19 @@ layouts adds ``d[t, s] >= x[first, s] - sum x[reader, agreeing]`` and its
 :class:`~jscaler.search.problem.Tied` costs. The LP relaxation of this model is tight on
 most graphs, which is why an LP-based branch and bound solves paper-scale problems (tens
 of thousands of variables) in seconds where a SAT search does not.
+
+HiGHS stops at a work limit, not at a time: a wall-clock limit ends where the machine's
+speed and load say, so one problem could get different answers on two hosts or two runs.
+Its MIP solver checks its limits at fixed points of its (single-threaded, seeded) search,
+and at each check :class:`_Work` adds the problem's size to the power 1.25 (its matrix's
+nonzeros), a tenth of that once branching has begun (a node's checks come far closer
+together than the root's cut rounds'): :data:`WORK` converts that to seconds, calibrated
+on the 13 paper-scale problems of ``bench paper`` that take HiGHS over half a second on
+the 2-core machine CI runs on (its seconds over the work's: 0.58-2.31,
+docs/cost-model.md). The same problem stops at the same check everywhere, so it gets the
+same answer. A wall-clock limit of :data:`BACKSTOP` times the work limit stays behind it,
+for a machine so slow or so loaded that the work would take far longer; an answer cut by
+it says so (:attr:`Result.cut`), since another machine may end elsewhere.
 """
 
 from __future__ import annotations
@@ -35,15 +48,21 @@ __all__ = ["Milp", "Result"]
 
 US = 1e6  # objective unit: microseconds
 GAP = 1e-4  # "optimal": within 0.01% of the LP bound (HiGHS's default)
+WORK = 1.5e-7  # seconds per unit of work (nonzeros ** 1.25 per limit check at the root)
+TREE = 0.1  # a limit check's share of that once branching has begun
+BACKSTOP = 3.0  # the wall-clock limit, in work limits
 
 
 @dataclass(frozen=True)
 class Result:
-    """One HiGHS run: the choice it found (None: none) and whether it is proven optimal."""
+    """One HiGHS run: the choice it found (None: none), whether it is proven optimal, and
+    what cut it short: ``""`` (nothing), ``"work"`` (the work limit: the same on every
+    machine) or ``"wall clock"`` (the backstop: another machine may end elsewhere)."""
 
     choice: tuple[int, ...] | None
     optimal: bool
     infeasible: bool
+    cut: str = ""
 
 
 class Milp:
@@ -143,9 +162,9 @@ class Milp:
             held += self._ties("held")
         return [(self.w, 1.0)] + [(i, -v) for i, v in held]
 
-    def solve(self, phases: list[int], time_limit: float) -> Result:
+    def solve(self, phases: list[int], work_limit: float) -> Result:
         """HiGHS on the model with ``phases`` (indices into the problem's peaks), for at
-        most ``time_limit`` seconds."""
+        most ``work_limit`` seconds of work (:class:`_Work`)."""
         import highspy
 
         rows = self.rows + [self.phase(k) for k in phases]
@@ -169,22 +188,44 @@ class Milp:
         kinds[: self.nx] = [highspy.HighsVarType.kInteger] * self.nx
         lp.integrality_ = kinds
         h = _silent_highs()
-        h.setOptionValue("time_limit", max(time_limit, 0.1))
+        h.setOptionValue("time_limit", max(BACKSTOP * work_limit, 1.0))
         h.setOptionValue("mip_rel_gap", GAP)
         h.setOptionValue("threads", 1)
         h.setOptionValue("random_seed", 0)
         h.passModel(lp)
+        work = _Work(len(vals), work_limit)
+        h.setCallback(work, None)
+        h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
         h.run()
         status = h.getModelStatus()
+        cut = {
+            highspy.HighsModelStatus.kInterrupt: "work",
+            highspy.HighsModelStatus.kTimeLimit: "wall clock",
+        }.get(status, "")
         if status == highspy.HighsModelStatus.kInfeasible:
             return Result(None, False, True)
         if h.getInfo().primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
-            return Result(None, False, False)
+            return Result(None, False, False, cut)
         x = np.asarray(h.getSolution().col_value)
         choice = tuple(
             int(np.argmax(x[o : o + len(st)])) for o, st in zip(self.offset, self.p.strategies)
         )
-        return Result(choice, status == highspy.HighsModelStatus.kOptimal, False)
+        return Result(choice, status == highspy.HighsModelStatus.kOptimal, False, cut)
+
+
+class _Work:
+    """HiGHS's MIP callback at each of its limit checks: adds the check's work and asks it
+    to stop once ``limit`` seconds of work are done. The checks fall at fixed points of
+    its search, so where it stops depends on the problem alone."""
+
+    def __init__(self, nonzeros: int, limit: float):
+        self.root = WORK * float(nonzeros) ** 1.25
+        self.limit, self.done = limit, 0.0
+
+    def __call__(self, kind, message, out, into, user) -> None:
+        self.done += self.root * (TREE if out.mip_node_count > 0 else 1.0)
+        if self.done >= self.limit:
+            into.user_interrupt = True
 
 
 def _alike(mat) -> list[list[int]]:
