@@ -41,7 +41,7 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
     """The cheapest strategy per cluster under the memory capacity: HiGHS on the model of
     :mod:`jscaler.search.milp` with the memory phases some choice could overfill, for at
     most ``time_limit`` seconds of its work (deterministic; about seconds of the 2-core
-    CI machine, 0.6-2.3x across paper-scale problems: :class:`~jscaler.search.milp.Milp`).
+    CI machine, 0.6-2.3x across paper-scale problems: :mod:`jscaler.search.milp`).
     Past the limit, the better of the best choice found and the descent's (FEASIBLE), or,
     with none found, the descent's (GREEDY)."""
     start = time.perf_counter()

@@ -26,8 +26,8 @@ Its MIP solver checks its limits at fixed points of its (single-threaded, seeded
 and at each check :class:`_Work` adds the problem's size to the power 1.25 (its matrix's
 nonzeros), a tenth of that once branching has begun (a node's checks come far closer
 together than the root's cut rounds'): :data:`WORK` converts that to seconds, calibrated
-on the 13 paper-scale problems of ``bench paper`` that take HiGHS over half a second on
-the 2-core machine CI runs on (its seconds over the work's: 0.58-2.31,
+on the 13 paper-scale problems of ``bench paper`` whose last limit check comes after half
+a second on the 2-core machine CI runs on (its seconds over the work's: 0.59-2.35,
 docs/cost-model.md). The same problem stops at the same check everywhere, so it gets the
 same answer. A wall-clock limit of :data:`BACKSTOP` times the work limit stays behind it,
 for a machine so slow or so loaded that the work would take far longer; an answer cut by
