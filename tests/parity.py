@@ -8,7 +8,14 @@ import optax
 
 import jscaler
 import models
-from jscaler.runtime.reference import ATOL, RTOL, compare, reference_steps, trainer_steps
+from jscaler.runtime.reference import (
+    ATOL,
+    RTOL,
+    compare,
+    parameters,
+    reference_steps,
+    trainer_steps,
+)
 
 LR = 0.1
 STEPS = 3
@@ -92,7 +99,7 @@ def assert_matches_reference(model, loss_fn, batches, plan, *, devices=8, lr=LR,
             for x, y in pairs:  # the tolerance of updated parameters
                 atol = ATOL["param"] * np.max(np.abs(y), initial=0.0)
                 np.testing.assert_allclose(x, y, rtol=RTOL, atol=atol, err_msg=f"step {step}")
-    mm = compare(got, want)
+    mm = compare(got, want, initial=model["params"] if has_aux else parameters(model))
     assert mm.ok, "\n".join(mm.lines[:10])
     return trainer
 

@@ -44,7 +44,13 @@ def _verify(args) -> int:
     import optax
 
     from jscaler.runtime.precision import compute_dtype
-    from jscaler.runtime.reference import TOLERANCES, compare, reference_steps, trainer_steps
+    from jscaler.runtime.reference import (
+        TOLERANCES,
+        compare,
+        parameters,
+        reference_steps,
+        trainer_steps,
+    )
 
     spec, model, trainer, batch_size = setup_trainer(args, optax.sgd(args.lr))
     batches = [spec.batch(batch_size, s) for s in range(args.steps)]
@@ -58,7 +64,8 @@ def _verify(args) -> int:
     got = trainer_steps(trainer, batches)
     k = args.tol_scale
     rtol, atol = TOLERANCES[trainer.precision]
-    mm = compare(got, want, rtol=rtol * k, atol={kind: a * k for kind, a in atol.items()})
+    scaled = {kind: a * k for kind, a in atol.items()}
+    mm = compare(got, want, rtol=rtol * k, atol=scaled, initial=parameters(model))
     if args.json:
         out = {
             "model": spec.name,
