@@ -52,7 +52,7 @@ PP = (1, 2, 4)
 SLOTS = 2  # Adam
 # the pruning's lower bound on model state per parameter: fp16 parameter and gradient and
 # the fp32 optimizer slots (the estimate counts more: fp32 parameters and gradients)
-ILP_LIMIT = 10.0  # the ILP: HiGHS seconds per solve
+ILP_LIMIT = 10.0  # the ILP: HiGHS work seconds per solve (jscaler.search.milp)
 STATE_BYTES = 2 + 2 + 4 * SLOTS
 
 # The paper's reported speedups of nnScaler (section 8.3): (model, cluster, GPUs) ->
