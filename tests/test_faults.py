@@ -282,7 +282,8 @@ def test_without_the_launcher_a_survivor_names_the_process_that_went_away(
     try:
         deadline = time.monotonic() + 240
         while procs[victim][0].poll() is None and not stopped(procs[victim][0]):
-            assert time.monotonic() < deadline, "the victim never reached its first step"
+            if time.monotonic() > deadline:
+                pytest.fail(f"the victim never reached its first step in 240 s\n{_logs(procs)}")
             time.sleep(0.1)
         gone = time.monotonic()
         status, out = finish(*procs[1 - victim], timeout=90)
@@ -297,6 +298,15 @@ def test_without_the_launcher_a_survivor_names_the_process_that_went_away(
     assert f"process {victim} (pid {pid} on " in out and "went away" in out, out[-3000:]
     assert "jscaler: error:" in out and "Check failure stack trace" not in out
     print(f"{mode} under {plan}: the survivor exited {took:.1f} s after process {victim}")
+
+
+def _logs(procs) -> str:
+    """Each process's exit status (None: running) and the end of its output."""
+    out = []
+    for k, (proc, log) in enumerate(procs):
+        log.seek(0)
+        out.append(f"--- process {k}: status {proc.poll()}\n{log.read()[-3000:]}")
+    return "\n".join(out)
 
 
 def stopped(proc) -> bool:
