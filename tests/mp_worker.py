@@ -26,14 +26,20 @@ Modes:
 ``JSCALER_TEST_PLAN`` (a ``--plan`` expression) replaces the plan of every mode.
 
 A JscalerError is printed as ``mp_worker: error: ...`` with exit status 2, as the CLI does.
+A process still running after ``STACKS_AFTER`` seconds prints every thread's Python stack
+(and goes on), so a test that gives up on a hung process shows where it hung.
 """
 
+import faulthandler
 import os
 import signal
 import sys
 
+STACKS_AFTER = 200  # s: before test_faults' 240 s wait for a first step
+
 
 def main(mode: str, steps: int) -> int:
+    faulthandler.dump_traceback_later(STACKS_AFTER, exit=False)
     from jscaler.setup import enable_compilation_cache, init_distributed
 
     if not init_distributed():

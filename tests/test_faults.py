@@ -305,7 +305,7 @@ def _logs(procs) -> str:
     out = []
     for k, (proc, log) in enumerate(procs):
         log.seek(0)
-        out.append(f"--- process {k}: status {proc.poll()}\n{log.read()[-3000:]}")
+        out.append(f"--- process {k}: status {proc.poll()}\n{log.read()[-8000:]}")
     return "\n".join(out)
 
 
