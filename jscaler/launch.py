@@ -12,18 +12,37 @@ signal N).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 __all__ = ["launch"]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 free now (for a coordinator or transfer address)."""
+    """A TCP port on 127.0.0.1 free now (for a coordinator or transfer address), below
+    the kernel's ephemeral range when it can: the process that binds it does so seconds
+    later, and meanwhile any outgoing connection on the machine may take a port of that
+    range (gloo's do; a worker whose transfer port was taken fails at its first
+    cross-process copy)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()  # not the user's seeded global generator
+    for _ in range(64 if low > 20000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

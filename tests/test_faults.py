@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -298,6 +299,30 @@ def test_without_the_launcher_a_survivor_names_the_process_that_went_away(
     assert f"process {victim} (pid {pid} on " in out and "went away" in out, out[-3000:]
     assert "jscaler: error:" in out and "Check failure stack trace" not in out
     print(f"{mode} under {plan}: the survivor exited {took:.1f} s after process {victim}")
+
+
+def test_a_peer_ended_by_an_uncaught_error_is_named_not_waited_for(monkeypatch):
+    """Process 0 of a pipeline across two processes cannot serve cross-process copies
+    (its transfer port is taken: jax raises at its first copy, an error jscaler does not
+    catch). Process 1, waiting for that copy, used to wait forever (the CI hang of
+    [die-pipeline-8]); now it exits with status 2, naming process 0 and its error."""
+    monkeypatch.setenv("JSCALER_TEST_PLAN", PLANS["pipeline"])
+    monkeypatch.setenv("JSCALER_PEER_TIMEOUT", "20")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        procs = start_workers("agree", steps=2, transfer_ports={0: taken.getsockname()[1]})
+        try:
+            s1, out1 = finish(*procs[1], timeout=240)
+            s0, out0 = finish(*procs[0], timeout=60)  # process 0 waits for the others
+        finally:
+            for proc, _ in procs:
+                proc.kill()
+                proc.wait()
+    assert s0 != 0 and "Address already in use" in out0, out0[-3000:]
+    assert s1 == 2, out1[-3000:]
+    assert "process 0 (pid" in out1 and "ended on JaxRuntimeError" in out1, out1[-3000:]
+    assert "step 0" not in out1  # it never got its copy
 
 
 def _logs(procs) -> str:

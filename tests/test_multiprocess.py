@@ -61,9 +61,11 @@ def test_a_launched_command_that_fails_reports_the_failure():
 WORKER = Path(__file__).with_name("mp_worker.py")
 
 
-def start_workers(mode: str, steps: int = 5, nprocs: int = 2):
+def start_workers(mode: str, steps: int = 5, nprocs: int = 2, transfer_ports=None):
     """``nprocs`` processes of tests/mp_worker.py joined as ``jscaler launch`` would join
-    them, but started here (as SLURM would), with a 10 s heartbeat; output to files."""
+    them, but started here (as SLURM would), with a 10 s heartbeat; output to files.
+    ``transfer_ports``: {process: port} for their cross-process transfers (default a
+    free port each)."""
     from jscaler.launch import free_port
 
     coordinator = f"127.0.0.1:{free_port()}"
@@ -75,7 +77,7 @@ def start_workers(mode: str, steps: int = 5, nprocs: int = 2):
             JSCALER_NUM_PROCESSES=str(nprocs),
             JSCALER_PROCESS_ID=str(i),
             JSCALER_LOCAL_DEVICES="2",
-            JSCALER_TRANSFER_ADDRESS=f"127.0.0.1:{free_port()}",
+            JSCALER_TRANSFER_ADDRESS=f"127.0.0.1:{(transfer_ports or {}).get(i) or free_port()}",
             JSCALER_HEARTBEAT_TIMEOUT="10",
         )
         log = tempfile.TemporaryFile("w+")
@@ -174,3 +176,15 @@ def test_the_plan_digest_is_stable_and_tells_plans_apart():
     assert plan_digest(pipe1, one_f_one_b(2, 4)) == plan_digest(pipe2, one_f_one_b(2, 4))
     assert plan_digest(pipe1, one_f_one_b(2, 4)) != plan_digest(pipe1, gpipe(2, 4))
     check_plan_agreement(pipe1, one_f_one_b(2, 4), devices)  # one process: nothing to ask
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """A chosen port is bound seconds later; one from the kernel's ephemeral range may be
+    taken meanwhile by any outgoing connection (a transfer port taken: its process fails
+    at its first cross-process copy)."""
+    from jscaler.launch import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(10000 <= p < low for p in ports), (low, ports)
+    assert len(set(ports)) > 10  # drawn at random, not one port for every caller

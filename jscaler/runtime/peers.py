@@ -13,7 +13,10 @@ DistributedError naming that process (its id, pid and host) and ends this proces
 exit status 2, wherever its main thread is blocked. A process that finishes normally
 marks itself ``exited`` first (an ``atexit`` hook), so it is never reported; process 0
 also waits there (at most ``JSCALER_SHUTDOWN_TIMEOUT`` s) until every other process has
-exited or is gone, so the service outlives every client's last call.
+exited or is gone, so the service outlives every client's last call. A process ended by
+an uncaught exception marks itself ``failed: <the exception>`` instead, and the others
+report it at their next beat: a peer waiting on it in something that never fails (a
+cross-process transfer it would have served) would otherwise wait forever.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = ["PeerWatch", "current"]
 
 _PREFIX = "jscaler/alive/"
 _EXITED = "exited"
+_FAILED = "failed: "
 _watch: PeerWatch | None = None
 
 
@@ -94,6 +98,8 @@ class PeerWatch:
             if value == _EXITED:
                 self._exited.add(pid)
                 continue
+            if value.startswith(_FAILED):
+                return self._message(pid, f"it ended on {value.removeprefix(_FAILED)}")
             old = self._seen.get(pid)
             if old is None or old[0] != value:
                 self._seen[pid] = (value, now)
@@ -120,10 +126,14 @@ class PeerWatch:
     # ---- normal exit -----------------------------------------------------------------
 
     def finish(self):
-        """Marks this process exited; process 0 waits for the others (bounded)."""
+        """Marks this process exited (or failed, when an uncaught exception ends it);
+        process 0 waits for the others (bounded)."""
         self._stop.set()
+        mark = _EXITED
+        if (exc := getattr(sys, "last_exc", None)) is not None:  # set before atexit runs
+            mark = _FAILED + f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         try:
-            self.client.key_value_set(f"{_PREFIX}{self.me}", _EXITED, allow_overwrite=True)
+            self.client.key_value_set(f"{_PREFIX}{self.me}", mark, allow_overwrite=True)
         except Exception:
             return
         if self.me != 0:
