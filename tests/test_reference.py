@@ -9,10 +9,10 @@ INITIAL = {"bias": np.zeros(4), "kernel": np.array([1.0, 0.0, 0.0, 0.0])}
 GRADS = [{"bias": np.array([0.03, 0.0, 0.0, 0.0]), "kernel": np.array([0.4, 0.0, 0.0, 0.0])}] * 3
 
 
-def _steps(error=0.0, initial=INITIAL):
-    """SGD over GRADS: per step (loss, grads, params). ``error``: what the plan's bias
-    gradient has in its second entry (exactly 0), relative to the gradient's largest."""
-    out, params = [], initial
+def _steps(error=0.0):
+    """SGD from INITIAL over GRADS: per step (loss, grads, params). ``error``: what the
+    plan's bias gradient has in its second entry (exactly 0), relative to its largest."""
+    out, params = [], INITIAL
     for g in GRADS:
         g = {**g, "bias": g["bias"] + np.array([0.0, error * 0.03, 0.0, 0.0])}
         params = {k: params[k] - LR * g[k] for k in params}

@@ -137,15 +137,15 @@ class Mismatch:
         return not self.lines
 
 
-def _leaf_err(a, b, rtol, atol, floor=0.0, carried=0.0):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = max(float(np.max(np.abs(b), initial=0.0)), floor)
-    excess = np.abs(a - b) - (rtol * np.abs(b) + atol * scale + carried)
-    return float(np.max(np.abs(a - b), initial=0.0)), bool(np.all(excess <= 0))
-
-
 def _biggest(x) -> float:
     return float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))
+
+
+def _leaf_err(a, b, rtol, atol, floor=0.0, carried=0.0):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(_biggest(b), floor)
+    excess = np.abs(a - b) - (rtol * np.abs(b) + atol * scale + carried)
+    return _biggest(a - b), bool(np.all(excess <= 0))
 
 
 def compare(got, want, *, rtol: float = RTOL, atol: dict | None = None, initial=None) -> Mismatch:
@@ -170,7 +170,7 @@ def compare(got, want, *, rtol: float = RTOL, atol: dict | None = None, initial=
         for what, a, b in (("grad", grads, wg), ("param", params, wp)):
             la = jax.tree_util.tree_flatten_with_path(a)[0]
             lb = jax.tree_util.tree_leaves(b)
-            top = max((float(np.max(np.abs(np.asarray(y)), initial=0.0)) for y in lb), default=0)
+            top = max((_biggest(y) for y in lb), default=0)
             if what == "param" and before is not None:
                 steps = zip(moved, lb, before, strict=True)
                 moved = [m + _biggest(np.asarray(y) - np.asarray(x0)) for m, y, x0 in steps]
