@@ -107,6 +107,31 @@ def test_the_ilp_stops_at_a_work_limit_that_load_does_not_move(hard_problem, mon
     assert idle.memory <= hard_problem.capacity
 
 
+@pytest.mark.parametrize("recompute", [0, 1])
+def test_a_relaxation_that_settles_the_problem_skips_the_branch_and_bound(
+    gpt_graph, recompute, monkeypatch
+):
+    """gpt-tiny at 8 devices: the LP relaxation's choice is the optimum, found without
+    branching; HiGHS's branch and bound (the relaxation given no iterations) agrees."""
+    p = build_problem(gpt_graph, MeshSpec.create(d=8), "dgx2_v100", recompute=recompute)
+    relaxed = solve(p)
+    assert (relaxed.status, relaxed.relaxed) == ("OPTIMAL", True)
+    assert "by the LP relaxation alone" in explain(p, relaxed)
+    monkeypatch.setattr(milp, "RELAX_ITERATIONS", 0)
+    branched = solve(p)
+    assert (branched.status, branched.relaxed) == ("OPTIMAL", False)
+    assert relaxed.seconds == pytest.approx(branched.seconds, rel=milp.GAP)
+    assert objective(p, list(relaxed.choice)) == (relaxed.seconds, relaxed.memory)
+
+
+def test_a_relaxation_off_its_optimum_leaves_it_to_the_branch_and_bound(hard_problem, monkeypatch):
+    """Near its leanest memory, gpt-tiny's relaxation is fractional and its rounding too
+    slow or too big: the branch and bound decides (cut by its work limit here)."""
+    monkeypatch.setattr(milp, "BACKSTOP", 1000.0)  # the wall clock does not cut it here
+    sol = solve(hard_problem, time_limit=1.0)
+    assert not sol.relaxed and sol.cut == "work"
+
+
 def test_a_solve_cut_by_the_wall_clock_backstop_says_so(hard_problem, monkeypatch):
     monkeypatch.setattr(milp, "BACKSTOP", 1e-6)  # HiGHS's floor: one second of wall clock
     sol = solve(hard_problem, time_limit=100.0)

@@ -121,7 +121,7 @@ class IntraOp:
         )
 
 
-SEARCH_VERSION = 10  # bump when the problem or the solver changes what a search returns
+SEARCH_VERSION = 11  # bump when the problem or the solver changes what a search returns
 
 
 def write_atomically(path, text: str) -> None:

@@ -35,6 +35,7 @@ class Solution:
     wall: float = 0.0
     phases: int = 0  # the memory phases in the model (the rest cannot bind)
     cut: str = ""  # what cut HiGHS short: "" | "work" | "wall clock" (milp.Result.cut)
+    relaxed: bool = False  # optimal by the LP relaxation alone (milp.Result.relaxed)
 
 
 def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
@@ -61,7 +62,7 @@ def solve(p: Problem, *, time_limit: float = 30.0) -> Solution:
             choice = first
     secs, mem = objective(p, list(choice))
     wall = time.perf_counter() - start
-    return Solution(choice, secs, mem, status, wall, len(phases), res.cut)
+    return Solution(choice, secs, mem, status, wall, len(phases), res.cut, res.relaxed)
 
 
 def _better(p: Problem, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
@@ -214,6 +215,8 @@ def explain(problem: Problem, sol: Solution) -> str:
 
 
 def _cut(sol: Solution) -> str:
+    if sol.relaxed:
+        return " (by the LP relaxation alone: its choice is within 0.01% of its bound)"
     if sol.cut == "wall clock":
         return " (HiGHS cut by its wall-clock backstop: another machine may end elsewhere)"
     return " (HiGHS cut by its work limit)" if sol.cut else ""
