@@ -24,8 +24,8 @@ presolve, in a second on the largest), and where its choice (each cluster's larg
 fits and costs within :data:`GAP` of its bound, that choice is returned as optimal, by the
 same test HiGHS's branch and bound would stop at; the branch and bound runs only where it
 does not (AlphaFold2 at 8 GPUs on DGX-1 in ``bench paper``: its five ILPs, 4.9-11.2 s each
-on the 2-core machine, now 1.3-2.7 s; Swin's relaxations are 0.1-9% below their optimum
-and pay 0.1-0.2 s for trying).
+on the 2-core machine, now 1.3-2.7 s; Swin's and T5's relaxations are 0.006-8% below
+their optimum and pay 0.02-0.2 s for trying).
 
 HiGHS stops at a work limit, not at a time: a wall-clock limit ends where the machine's
 speed and load say, so one problem could get different answers on two hosts or two runs.
@@ -213,8 +213,7 @@ class Milp:
         deterministic as the MIP's work limit): where each cluster's largest ``x``, the
         relaxation's choice, fits and costs within :data:`GAP` of the relaxation's bound,
         it is as optimal as HiGHS's branch and bound would prove (the same gap), found in
-        a fraction of its time (the relaxation is integral on most paper-scale problems:
-        AlphaFold2's 3-5 s solves take 1). ``None``: the branch and bound must decide."""
+        a fraction of its time. ``None``: the branch and bound must decide."""
         import highspy
 
         h = _silent_highs()
