@@ -219,8 +219,6 @@ class Milp:
         h = _silent_highs()
         h.setOptionValue("solve_relaxation", True)
         h.setOptionValue("presolve", "off")
-        h.setOptionValue("threads", 1)
-        h.setOptionValue("random_seed", 0)
         h.setOptionValue("simplex_iteration_limit", RELAX_ITERATIONS * lp.num_row_)
         h.passModel(lp)
         h.run()
@@ -230,10 +228,7 @@ class Milp:
         if status != highspy.HighsModelStatus.kOptimal:
             return None
         bound = h.getInfo().objective_function_value
-        x = np.asarray(h.getSolution().col_value)
-        choice = tuple(
-            int(np.argmax(x[o : o + len(st)])) for o, st in zip(self.offset, self.p.strategies)
-        )
+        choice = self._choice(h)
         if not self.fits(choice, phases):
             return None
         cost = objective(self.p, list(choice))[0] * US
@@ -248,16 +243,16 @@ class Milp:
         if p.capacity is None:
             return True
         kept = sum(self._units(p.memory[c][s]) for c, s in enumerate(choice))
-        held = [sum(self._units(r[choice[c]]) for c, r in p.peaks[k].items()) for k in phases]
+        grads = 0.0  # tied parameters read apart: their gradients join the last phase
+        for tie in (t for t in p.tied if t.apart(choice)):
+            kept += self._units(tie.kept[choice[tie.cluster]])
+            grads += self._units(tie.held[choice[tie.cluster]])
         last = len(p.peaks) - 1
-        for tie in p.tied:
-            if tie.apart(choice):
-                s = choice[tie.cluster]
-                kept += self._units(tie.kept[s])
-                held = [
-                    v + (self._units(tie.held[s]) if k == last else 0.0)
-                    for v, k in zip(held, phases)
-                ]
+        held = [
+            sum(self._units(r[choice[c]]) for c, r in p.peaks[k].items())
+            + (grads if k == last else 0.0)
+            for k in phases
+        ]
         return kept + max([0.0, *held]) <= p.capacity // self.unit
 
     def _branch_and_bound(self, lp, work_limit: float) -> Result:
@@ -267,8 +262,6 @@ class Milp:
         h = _silent_highs()
         h.setOptionValue("time_limit", max(BACKSTOP * work_limit, 1.0))
         h.setOptionValue("mip_rel_gap", GAP)
-        h.setOptionValue("threads", 1)
-        h.setOptionValue("random_seed", 0)
         h.passModel(lp)
         work = _Work(len(lp.a_matrix_.value_), work_limit)
         h.setCallback(work, None)
@@ -283,11 +276,14 @@ class Milp:
             return Result(None, False, True)
         if h.getInfo().primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
             return Result(None, False, False, cut)
+        return Result(self._choice(h), status == highspy.HighsModelStatus.kOptimal, False, cut)
+
+    def _choice(self, h) -> tuple[int, ...]:
+        """Each cluster's strategy of largest ``x`` in HiGHS's solution."""
         x = np.asarray(h.getSolution().col_value)
-        choice = tuple(
+        return tuple(
             int(np.argmax(x[o : o + len(st)])) for o, st in zip(self.offset, self.p.strategies)
         )
-        return Result(choice, status == highspy.HighsModelStatus.kOptimal, False, cut)
 
 
 class _Work:
@@ -314,9 +310,9 @@ def _alike(mat) -> list[list[int]]:
 
 
 def _silent_highs():
-    """A HiGHS instance that prints nothing: its first construction in a process writes a
-    banner to file descriptor 1 (not through Python), which would corrupt ``--json``
-    output; it is sent to /dev/null."""
+    """A HiGHS instance that prints nothing (its first construction in a process writes a
+    banner to file descriptor 1, not through Python, which would corrupt ``--json``
+    output; it is sent to /dev/null), single-threaded and seeded."""
     import highspy
 
     sys.stdout.flush()
@@ -326,6 +322,8 @@ def _silent_highs():
             os.dup2(null.fileno(), 1)
             h = highspy.Highs()
             h.setOptionValue("output_flag", False)
+            h.setOptionValue("threads", 1)  # deterministic: one thread, a fixed seed
+            h.setOptionValue("random_seed", 0)
     finally:
         os.dup2(saved, 1)
         os.close(saved)
