@@ -10,6 +10,7 @@ import pytest
 
 import jscaler
 import models
+from jscaler.compile.lower import lower
 from jscaler.cost import CLUSTERS, Cluster, collective_time, estimate, get_cluster
 from spaces import dp, megatron, zero
 
@@ -193,7 +194,6 @@ def test_a_backend_without_a_grouped_matmul_keeps_each_ragged_dots_expanded_rows
     distinct lhs expanded (on CPU with its mask) is kept to the backward, ``groups`` times
     its rows' bytes (measured: docs/cost-model.md). A backend with a grouped matmul keeps
     none of it."""
-    from jscaler.compile.lower import lower
     from jscaler.cost.memory import ragged_expansions
     from spaces import expert
 
@@ -250,3 +250,23 @@ def test_the_backward_holds_the_logits_cotangent_beside_the_head_gradient():
     g = jscaler.trace(loss, params, {"x": jnp.ones((8, 64))})
     acts = estimate(dp()(g, 1), "cpu").memory["activations"]
     assert acts >= 4 * (8 * 4096 + 64 * 4096)  # the logits' cotangent, the weight's gradient
+
+
+def test_plans_on_one_mesh_share_the_layouts_of_their_equal_ops():
+    """The cost model lowers hundreds of plans in a search; an op's layouts depend only on
+    the mesh, its annotation, its operands' shapes and its sub-op tree, so plans that
+    agree on an op share them, and an op they split differently gets its own."""
+    spec = models.get("gpt-tiny")
+    g = jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+    a = megatron(tp=2, dp=4)(g, 8)
+    b = megatron(tp=2, dp=4, sp=True)(g, 8)
+    la, lb = lower(a, None), lower(b, None)
+    same = [o.id for o in g.ops if a.tree(o.id) == b.tree(o.id)]
+    differ = [o.id for o in g.ops if a.tree(o.id) != b.tree(o.id)]
+    assert same and differ
+    assert all(la.ops[i] is lb.ops[i] for i in same)
+    assert any(la.ops[i] != lb.ops[i] for i in differ)
+    # the mesh is part of what they depend on (a device's coordinates are the mesh's)
+    c = dp()(g, 8)
+    lc = lower(c, None)
+    assert not any(la.ops[i] is lc.ops[i] for i in (o.id for o in g.ops))

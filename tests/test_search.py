@@ -1,5 +1,6 @@
 """The op-trans + op-assign ILP: optimal against brute force, memory-aware, runs."""
 
+import gc
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ from jscaler.search import (
     objective,
     solve,
 )
+from jscaler.search.collect import THRESHOLDS, fewer_collections
 from jscaler.search.ilp import Solution, descent, explain, greedy, to_plan
 from jscaler.search.milp import Milp
 from jscaler.search.problem import memory_unit
@@ -382,3 +384,12 @@ def test_alpa_like_with_dp_slicing_trains_like_one_device():
 
     trainer = assert_parity("swin-tiny", alpa_like(pp=2, slicing="dp"), microbatches=2)
     assert trainer.plan.cuts is not None and "dp-sliced" in trainer.plan.name
+
+
+def test_a_search_collects_garbage_less_often_and_restores_the_thresholds():
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError, match="inside"):
+        with fewer_collections():
+            assert gc.get_threshold()[0] == max(before[0], THRESHOLDS[0])
+            raise RuntimeError("inside")
+    assert gc.get_threshold() == before

@@ -371,13 +371,17 @@ def remade(g) -> dict[int, object]:
     return out
 
 
-def from_params_only(g) -> set[int]:
+def from_params_only(g) -> frozenset[int]:
     """The parameters and the tensors computed from parameters alone (a norm's scale
     broadcast, a cast weight): a reduction of their gradient is a parameter-gradient
     reduction, independent of the rest of the backward pass."""
+    return g.memo((from_params_only,), lambda: _from_params_only(g))  # shared: don't change it
+
+
+def _from_params_only(g) -> frozenset[int]:
     out = {p.id for p in g.params()}
     for op in g.ops:
         ins = [t for t in op.tensor_inputs]
         if ins and all(t in out for t in ins):
             out.update(op.outputs)
-    return out
+    return frozenset(out)

@@ -45,8 +45,12 @@ class Layout:
         parts = math.prod(sizes[a] for axes in self.spec for a in axes)
         return math.prod(shape) * itemsize // parts
 
-    def axes_used(self) -> set[str]:
-        return {a for axes in self.spec for a in axes} | set(self.partial)
+    def axes_used(self) -> frozenset[str]:
+        found = self.__dict__.get("_axes_used")  # asked of every layout, often: once each
+        if found is None:
+            found = frozenset(a for axes in self.spec for a in axes) | frozenset(self.partial)
+            object.__setattr__(self, "_axes_used", found)
+        return found
 
     def __str__(self):
         s = str(self.pspec())

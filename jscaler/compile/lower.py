@@ -99,13 +99,7 @@ def _lower(plan: Plan, devices) -> Lowered:
         mesh = Mesh(arr, spec.names, axis_types=(AxisType.Auto,) * len(spec.axes))
     pg = plan.pgraph
     g = pg.graph
-    ops: dict[int, OpLayouts] = {}
-    seen: dict[tuple, OpLayouts] = {}  # repeated layers: same annotation, shapes and tree
-    for op in g.ops:
-        key = _layout_key(plan, op)
-        if key not in seen:
-            seen[key] = _op_layouts(plan, op)
-        ops[op.id] = seen[key]
+    ops = {op.id: _shared_layouts(plan, op) for op in g.ops}
     wants: dict[int, list[Layout]] = {}
     for op in g.ops:
         for x, lay in zip(op.inputs, ops[op.id].inputs):
@@ -171,13 +165,30 @@ def _prefetch_schedule(plan: Plan) -> dict[int, Prefetch]:
     return out
 
 
+# layouts by what they depend on, shared by a model's repeated layers and by the many plans
+# of one search, which differ in a few ops' trees (cleared when full)
+_LAYOUTS: dict[tuple, OpLayouts] = {}
+_LAYOUTS_MAX = 1 << 16
+
+
+def _shared_layouts(plan: Plan, op: Op) -> OpLayouts:
+    key = _layout_key(plan, op)
+    found = _LAYOUTS.get(key)
+    if found is None:
+        found = _op_layouts(plan, op)
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = found
+    return found
+
+
 def _layout_key(plan: Plan, op: Op) -> tuple:
-    """What an op's layouts depend on: its annotation, its operands' shapes (None for a
-    literal) and its sub-op tree (devices included)."""
+    """What an op's layouts depend on: the mesh, its annotation, its operands' shapes
+    (None for a literal) and its sub-op tree (devices included)."""
     tensors = plan.pgraph.graph.tensors
     ins = tuple(None if isinstance(x, Literal) else tensors[x].shape for x in op.inputs)
     outs = tuple(tensors[x].shape for x in op.outputs)
-    return (op.annotation, ins, outs, plan.tree(op.id))
+    return (plan.mesh, op.annotation, ins, outs, plan.tree(op.id))
 
 
 def _op_layouts(plan: Plan, op: Op) -> OpLayouts:

@@ -22,6 +22,7 @@ the total to XLA's ``memory_analysis()``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -94,10 +95,15 @@ OWN_OUTPUT = {"exp", "tanh", "logistic", "sqrt", "rsqrt", "exp2"}
 def local_bytes(g, t: int, layout: Layout | None, sizes) -> float:
     """Bytes of tensor ``t`` each device holds in ``layout`` (None: whole)."""
     tensor = g.tensors[t]
-    whole = math.prod(tensor.shape) * jnp.dtype(tensor.dtype).itemsize
+    whole = _nbytes(tensor.shape, tensor.dtype)
     if layout is None:
         return whole
     return whole / math.prod(sizes[a] for axes in layout.spec for a in axes)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:  # asked millions of times a search
+    return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
 def memory_breakdown(params, grads, optimizer, batch, activations, reduced=None) -> dict:
@@ -410,9 +416,6 @@ def cotangent_extra(low, g, ops, kept: Mapping[int, float], fuses: bool) -> floa
     kept value (measured on XLA:CPU, Hugging Face BERT ``megatron(tp=2)``: 213 KB of its
     1.10 MB peak temp in the logits' cotangent, the decoder's weight gradient and the
     embedding's scatter-add)."""
-    sizes = low.plan.mesh.shape
-    needs = needs_grad(g)
-    done = materialised(g) if fuses else None
     made = {t: i for i, op in enumerate(ops) for t in op.outputs}
     after = [0.0] * (len(ops) + 1)  # kept values made by ops[i:]
     for t, b in kept.items():
@@ -422,17 +425,31 @@ def cotangent_extra(low, g, ops, kept: Mapping[int, float], fuses: bool) -> floa
         after[i] += after[i + 1]
     best = 0.0
     for i, op in enumerate(ops):
+        cot = _op_cotangents(low, g, op, fuses)
+        if cot is not None:
+            best = max(best, cot - after[i + 1])
+    return best
+
+
+def _op_cotangents(low, g, op, fuses: bool) -> float | None:
+    """The bytes of the cotangents ``op``'s backward holds (:func:`cotangent_extra`), None
+    where it holds none; once per lowering and op (a pipeline asks per stage)."""
+
+    def make():
         if not holds_cotangents(g, op):
-            continue
+            return None
+        needs = needs_grad(g)
+        done = materialised(g) if fuses else None
+        sizes = low.plan.mesh.shape
         lay = low.ops[op.id]
         pairs = (*zip(op.outputs, lay.outputs), *zip(op.inputs, lay.inputs))
-        cot = sum(
+        return sum(
             local_bytes(g, t, layout, sizes)
             for t, layout in pairs
             if carries_cotangent(t, needs, done)
         )
-        best = max(best, cot - after[i + 1])
-    return best
+
+    return low.memo((_op_cotangents, id(g), op.id, fuses), make)
 
 
 def carries_cotangent(t, needs, materialised: frozenset[int] | None) -> bool:
@@ -450,6 +467,10 @@ def holds_cotangents(g, op) -> bool:
     it is differentiable, a gradient flows through it, and it is not a view of a weight
     (a parameter or a ZeRO-3 gathered one through :data:`PARAM_VIEWS`: XLA folds the view
     into the matmul reading it, whose weight gradient is the weight's)."""
+    return g.memo((holds_cotangents, op.id), lambda: _holds_cotangents(g, op))
+
+
+def _holds_cotangents(g, op) -> bool:
     needs = needs_grad(g)
     if op.primitive in NON_DIFFERENTIABLE or not any(t in needs for t in op.outputs):
         return False

@@ -23,7 +23,7 @@ optimizer state, which the runtime splits over every pipeline device.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -60,7 +60,14 @@ __all__ = ["estimate_pipeline", "shared_costs"]
 def _schedule(plan: PipelinePlan, schedule, microbatches: int) -> Schedule:
     schedule = schedule or plan.schedule or one_f_one_b
     if callable(schedule) and not isinstance(schedule, Schedule):
+        built, key = _BUILT.get(), (schedule, plan.pipeline_groups, microbatches)
+        if built is not None and not isinstance(schedule, Hashable):
+            built = None  # a callable object that defines equality but no hash
+        if built is not None and key in built:
+            return built[key]
         schedule = schedule(plan.pipeline_groups, microbatches)
+        if built is not None and isinstance(schedule, Schedule):
+            built[key] = schedule
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule must be a Schedule or a function, got {schedule!r}")
     return schedule
@@ -173,19 +180,24 @@ class _Costs:
 # the last pipeline's costs (its groups, the key, the costs) while a shared_costs() block
 # runs: plan="auto" predicts a pipeline under every schedule one after another
 _LAST: ContextVar[list | None] = ContextVar("jscaler_pipeline_costs", default=None)
+# (schedule function, groups, micro-batches) -> the schedule it made, in the same block:
+# every pipeline of a search with as many groups is timed under the same few schedules
+_BUILT: ContextVar[dict | None] = ContextVar("jscaler_pipeline_schedules", default=None)
 
 
 @contextmanager
 def shared_costs() -> Iterator[None]:
     """Within it, a pipeline predicted again under another schedule of the same stages,
     passes, placement and micro-batches (1F1B, GPipe, zero-bubble) reuses its per-stage
-    costs: only the timeline and the activations in flight are the schedule's. Holds the
-    last pipeline's costs only."""
-    token = _LAST.set([])
+    costs: only the timeline and the activations in flight are the schedule's (holds the
+    last pipeline's costs only); and a schedule function called again with the same
+    groups and micro-batches is not called again (schedules are immutable values)."""
+    token, built = _LAST.set([]), _BUILT.set({})
     try:
         yield
     finally:
         _LAST.reset(token)
+        _BUILT.reset(built)
 
 
 def _shared_costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Costs:
@@ -206,8 +218,9 @@ def _shared_costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) 
 def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Costs:
     g = plan.graph
     act, masters = value_scale(dtype, g), state_scale(dtype, g)
-    pass_of = pass_of_ops(g, sched.passes)
-    stage_of = stage_of_ops(g, sched.stages, plan.cuts, pass_of)
+    pass_of, stage_of = g.memo(  # shared by every prediction cutting g alike: read only
+        (_costs, sched.passes, sched.stages, plan.cuts), lambda: _cut(g, sched, plan.cuts)
+    )
     last = sched.passes - 1
     needs = needs_grad(g)
     fwd_cost: dict[tuple[int, int], float] = {}  # (stage, pass) -> seconds
@@ -329,6 +342,12 @@ def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Cos
     return _Costs(fwd_cost, bwd_cost, update, moved, memory, model, hardware)
 
 
+def _cut(g, sched, cuts) -> tuple[dict, dict]:
+    """Op id -> its forward pass, and op id -> its stage, as the runtime cuts them."""
+    pass_of = pass_of_ops(g, sched.passes)
+    return pass_of, stage_of_ops(g, sched.stages, cuts, pass_of)
+
+
 def _on(op, gi: int, stage_of, sched, graph) -> bool:
     """Whether a (plan graph) op runs on group gi: its stage's group, or for an op outside
     the base graph (a ZeRO-3 gather), a consumer's."""
@@ -343,6 +362,10 @@ def _update_share(g, n: int) -> float:
     """Bytes of one copy of the parameters per device when the update splits each over
     ``n`` devices along its first axis ``n`` divides (else keeps it whole), as
     ``jscaler.runtime.handoff.zero_spec`` lays out the master copy and its moments."""
+    return g.memo((_update_share, n), lambda: _share_of(g, n))
+
+
+def _share_of(g, n: int) -> float:
     total = 0.0
     for p in g.params():
         nbytes = math.prod(p.shape) * jnp.dtype(p.dtype).itemsize

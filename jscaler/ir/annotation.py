@@ -74,12 +74,19 @@ class Annotation:
                     f"{self}; '+' is for dims reduced away, mark it '' or '^'"
                 )
 
-    def __hash__(self):
-        return hash((self.inputs, self.outputs, tuple(sorted(self.kinds.items()))))
+    def __hash__(self):  # annotations key the cost model's caches: hash each once
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.inputs, self.outputs, tuple(sorted(self.kinds.items()))))
+            object.__setattr__(self, "_hash", found)
+        return found
 
     def __eq__(self, other):
+        if self is other:
+            return True
         return (
             isinstance(other, Annotation)
+            and hash(self) == hash(other)
             and (self.inputs, self.outputs) == (other.inputs, other.outputs)
             and dict(self.kinds) == dict(other.kinds)
         )

@@ -149,11 +149,11 @@ class Schedule:
         return peak
 
     def recomputed(self, stage: int, microbatch: int) -> bool:
-        return Block(stage, microbatch, "R") in self._all
+        return (stage, microbatch) in self._recomputed
 
     @cached_property
-    def _all(self) -> set[Block]:
-        return {b for g in self.groups for b in g}
+    def _recomputed(self) -> frozenset[tuple[int, int]]:
+        return frozenset((b.stage, b.microbatch) for g in self.groups for b in g if b.kind == "R")
 
     # ---- checking ---------------------------------------------------------------------
 
@@ -196,14 +196,22 @@ class Schedule:
         self.order()
         return self
 
-    def order(self) -> list[list[Block]]:
+    def order(self) -> tuple[tuple[Block, ...], ...]:
         """Plays the groups' queues in rounds (each group runs its next block once the
-        blocks it needs ran in an earlier round); returns the blocks run in each round.
+        blocks it needs ran in an earlier round); returns the blocks run in each round
+        (played once per schedule: checking and every simulation ask).
 
         Raises:
           ScheduleError: the groups deadlock; names each blocked group's next block and
             the blocks it waits for.
         """
+        found = self.__dict__.get("_order")
+        if found is None:
+            found = self._play()
+            object.__setattr__(self, "_order", found)
+        return found
+
+    def _play(self) -> tuple[tuple[Block, ...], ...]:
         heads = [0] * len(self.groups)
         done: set[Block] = set()
         rounds = []
@@ -229,8 +237,8 @@ class Schedule:
             for b in ran:
                 heads[self.placement[b.stage]] += 1
             done.update(ran)
-            rounds.append(ran)
-        return rounds
+            rounds.append(tuple(ran))
+        return tuple(rounds)
 
     # ---- JSON -------------------------------------------------------------------------
 

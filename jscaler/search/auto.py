@@ -28,6 +28,7 @@ from jscaler.ir.graph import Graph
 from jscaler.plan.helpers import recompute_layers
 from jscaler.plan.mesh import MeshSpec
 from jscaler.plan.plan import Plan
+from jscaler.search.collect import fewer_collections
 from jscaler.search.ilp import solve, to_plan
 from jscaler.search.problem import build_problem
 
@@ -82,17 +83,18 @@ class IntraOp:
                 return Plan.from_json(path.read_text(), graph, f"cached plan {path}")
             except (PlanError, ValueError, KeyError, TypeError):
                 pass  # unreadable or stale: solve again and overwrite it
-        problem = build_problem(
-            graph,
-            mesh,
-            self.cluster,
-            dtype=self.dtype,
-            capacity=self.capacity if self.capacity is not None else _memory(self.cluster),
-            optimizer_slots=self.optimizer_slots,
-            recompute=self.recompute,
-            fail_fast=True,
-        )
-        sol = solve(problem, time_limit=self.time_limit)
+        with fewer_collections():
+            problem = build_problem(
+                graph,
+                mesh,
+                self.cluster,
+                dtype=self.dtype,
+                capacity=self.capacity if self.capacity is not None else _memory(self.cluster),
+                optimizer_slots=self.optimizer_slots,
+                recompute=self.recompute,
+                fail_fast=True,
+            )
+            sol = solve(problem, time_limit=self.time_limit)
         shape = ", ".join(f"{a}={s}" for a, s in mesh.axes)
         plan = to_plan(problem, sol, name=f"intra_op({shape})")
         # solved: for explain and the CLI (not written: a plan loaded from the file has none)

@@ -59,6 +59,7 @@ from jscaler.search.candidates import (
     registered_schedules,
     tuned,
 )
+from jscaler.search.collect import fewer_collections
 
 __all__ = ["Auto", "Row", "SearchResult", "auto", "search"]
 
@@ -264,7 +265,7 @@ def search(
             )  # fmt: skip
         except (PlanError, ValueError, KeyError, TypeError):
             pass  # stale or unreadable: search again and overwrite it
-    with shared_solves(), shared_costs():
+    with shared_solves(), shared_costs(), fewer_collections():
         rows, stopped, kept = _run(
             cands, offered, graph_of, n_devices, knobs, schedules, time_limit, progress, start
         )

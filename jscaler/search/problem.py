@@ -413,8 +413,9 @@ def build_problem(
         )  # fmt: skip
 
     costed: dict[tuple, tuple[float, ...]] = {}
+    numbered: dict[tuple, int] = {}  # signature -> its number: hashed once per op
 
-    def cost_of(op: Op, sig: tuple, s: Strategy, z: bool) -> tuple[float, ...]:
+    def cost_of(op: Op, sig: int, s: Strategy, z: bool) -> tuple[float, ...]:
         key = (sig, s, z)
         if key not in costed:
             costed[key] = node_cost(op, s, z)
@@ -426,7 +427,7 @@ def build_problem(
         base = _strategies(ops[ids[0]], mesh)
         plain = [(s, False) for s in base]
         strats = plain + [(s, True) for s in base if zero_ok(ops[ids[0]], s)]
-        sigs = [signature(ops[o]) for o in ids]
+        sigs = [numbered.setdefault(signature(ops[o]), len(numbered)) for o in ids]
         costs = [[cost_of(ops[o], g, s, z) for o, g in zip(ids, sigs)] for s, z in strats]
         strategies.append([s for s, _ in strats])
         zeros.append([z for _, z in strats])
