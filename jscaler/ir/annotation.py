@@ -74,12 +74,16 @@ class Annotation:
                     f"{self}; '+' is for dims reduced away, mark it '' or '^'"
                 )
 
-    def __hash__(self):  # annotations key the cost model's caches: hash each once
-        found = self.__dict__.get("_hash")
+    def _key(self) -> tuple:  # annotations key the cost model's caches: made once each
+        found = self.__dict__.get("_key_")
         if found is None:
-            found = hash((self.inputs, self.outputs, tuple(sorted(self.kinds.items()))))
-            object.__setattr__(self, "_hash", found)
+            found = (self.inputs, self.outputs, tuple(sorted(self.kinds.items())))
+            object.__setattr__(self, "_key_", found)
+            object.__setattr__(self, "_hash", hash(found))
         return found
+
+    def __hash__(self):
+        return self.__dict__.get("_hash") or hash(self._key())
 
     def __eq__(self, other):
         if self is other:
@@ -87,8 +91,7 @@ class Annotation:
         return (
             isinstance(other, Annotation)
             and hash(self) == hash(other)
-            and (self.inputs, self.outputs) == (other.inputs, other.outputs)
-            and dict(self.kinds) == dict(other.kinds)
+            and self._key() == other._key()
         )
 
     # ---- text form -------------------------------------------------------------------

@@ -111,6 +111,15 @@ class Node:
             object.__setattr__(self, "_hash", found)
         return found
 
+    def __eq__(self, other) -> bool:  # plans share subtrees: same object, or hashes first
+        if self is other:
+            return True
+        if not isinstance(other, Node) or hash(self) != hash(other):
+            return False
+        return (self.algo, self.dim, self.device, self.children) == (
+            other.algo, other.dim, other.device, other.children,
+        )  # fmt: skip
+
     def to_json(self):
         if self.algo == "leaf":
             return {"device": self.device}
