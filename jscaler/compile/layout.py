@@ -46,11 +46,11 @@ class Layout:
         return math.prod(shape) * itemsize // parts
 
     def axes_used(self) -> frozenset[str]:
-        found = self.__dict__.get("_axes_used")  # asked of every layout, often: once each
-        if found is None:
-            found = frozenset(a for axes in self.spec for a in axes) | frozenset(self.partial)
-            object.__setattr__(self, "_axes_used", found)
-        return found
+        return self._axes_used
+
+    @functools.cached_property
+    def _axes_used(self) -> frozenset[str]:  # asked of every layout, often: once each
+        return frozenset(a for axes in self.spec for a in axes) | frozenset(self.partial)
 
     def __str__(self):
         s = str(self.pspec())

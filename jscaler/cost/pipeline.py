@@ -219,7 +219,7 @@ def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Cos
     g = plan.graph
     act, masters = value_scale(dtype, g), state_scale(dtype, g)
     pass_of, stage_of = g.memo(  # shared by every prediction cutting g alike: read only
-        (_costs, sched.passes, sched.stages, plan.cuts), lambda: _cut(g, sched, plan.cuts)
+        (_cut, sched.passes, sched.stages, plan.cuts), lambda: _cut(g, sched, plan.cuts)
     )
     last = sched.passes - 1
     needs = needs_grad(g)

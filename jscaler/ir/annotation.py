@@ -27,6 +27,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 
 from jscaler.errors import AnnotationError
@@ -74,24 +75,22 @@ class Annotation:
                     f"{self}; '+' is for dims reduced away, mark it '' or '^'"
                 )
 
+    @cached_property
     def _key(self) -> tuple:  # annotations key the cost model's caches: made once each
-        found = self.__dict__.get("_key_")
-        if found is None:
-            found = (self.inputs, self.outputs, tuple(sorted(self.kinds.items())))
-            object.__setattr__(self, "_key_", found)
-            object.__setattr__(self, "_hash", hash(found))
-        return found
+        return (self.inputs, self.outputs, tuple(sorted(self.kinds.items())))
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(self._key)
 
     def __hash__(self):
-        return self.__dict__.get("_hash") or hash(self._key())
+        return self._hash
 
     def __eq__(self, other):
         if self is other:
             return True
         return (
-            isinstance(other, Annotation)
-            and hash(self) == hash(other)
-            and self._key() == other._key()
+            isinstance(other, Annotation) and self._hash == other._hash and self._key == other._key
         )
 
     # ---- text form -------------------------------------------------------------------

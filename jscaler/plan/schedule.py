@@ -205,13 +205,10 @@ class Schedule:
           ScheduleError: the groups deadlock; names each blocked group's next block and
             the blocks it waits for.
         """
-        found = self.__dict__.get("_order")
-        if found is None:
-            found = self._play()
-            object.__setattr__(self, "_order", found)
-        return found
+        return self._rounds
 
-    def _play(self) -> tuple[tuple[Block, ...], ...]:
+    @cached_property
+    def _rounds(self) -> tuple[tuple[Block, ...], ...]:
         heads = [0] * len(self.groups)
         done: set[Block] = set()
         rounds = []
