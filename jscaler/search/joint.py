@@ -60,6 +60,7 @@ from jscaler.search.candidates import (
     tuned,
 )
 from jscaler.search.collect import fewer_collections
+from jscaler.search.lookahead import Lookahead
 
 __all__ = ["Auto", "Row", "SearchResult", "auto", "search"]
 
@@ -108,6 +109,7 @@ class SearchResult:
     seconds: float
     stopped: str = ""  # why the search stopped before trying every candidate
     cached: bool = False
+    made_ahead: int = 0  # evaluations made on a second thread while the ILP solved
 
     @property
     def best(self) -> Row | None:
@@ -129,6 +131,7 @@ class SearchResult:
             f"auto: {len(self.rows)} tries on {self.devices} x {self.cluster} "
             f"(capacity {self.capacity / 2**30:.1f} GiB): {said}; "
             f"{self.seconds:.1f} s{' (cached)' if self.cached else ''}"
+            + (f", {self.made_ahead} made while an ILP solved" if self.made_ahead else "")
         ]
         if self.stopped:
             lines.append(f"stopped early: {self.stopped}; the best so far is returned")
@@ -199,6 +202,7 @@ def search(
     ilp_meshes: str = "one",
     cache: bool = True,
     progress: bool = False,
+    lookahead: bool = True,
 ) -> SearchResult:
     """Searches the candidates (see the module doc) for ``n_devices`` of ``cluster``.
 
@@ -216,6 +220,8 @@ def search(
         :func:`jscaler.search.ilp.solve`); ``ilp_meshes``: the meshes the engine's
         ILP runs on (``"one"`` axis, or ``"all"`` two-axis ones too; see
         :func:`builtin_candidates`).
+      lookahead: while the ILP solves, plan and predict the next candidates on a second
+        thread (:mod:`jscaler.search.lookahead`); the same rows either way.
     """
     start = time.perf_counter()
     cl = get_cluster(cluster)
@@ -266,9 +272,10 @@ def search(
         except (PlanError, ValueError, KeyError, TypeError):
             pass  # stale or unreadable: search again and overwrite it
     with shared_solves(), shared_costs(), fewer_collections():
-        rows, stopped, kept = _run(
-            cands, offered, graph_of, n_devices, knobs, schedules, time_limit, progress, start
-        )
+        rows, stopped, kept, ahead = _run(
+            cands, offered, graph_of, n_devices, knobs, schedules, time_limit, progress, start,
+            lookahead,
+        )  # fmt: skip
         ranked = tuple(sorted(rows, key=_rank))
         if kept is not None and ranked and kept[0] is ranked[0]:
             plan, est = kept[1], kept[2]  # the winner as it was planned: not planned again
@@ -277,8 +284,9 @@ def search(
     if path is not None and not stopped:
         write_atomically(path, json.dumps({"rows": [dataclasses.asdict(r) for r in ranked]}))
     return SearchResult(
-        ranked, plan, est, n_devices, cl.name, capacity, time.perf_counter() - start, stopped
-    )
+        ranked, plan, est, n_devices, cl.name, capacity, time.perf_counter() - start, stopped,
+        made_ahead=ahead,
+    )  # fmt: skip
 
 
 def _rank(r: Row):
@@ -297,7 +305,7 @@ def _state_bytes(graph: Graph, dtype: str, slots: int) -> float:
     return n * (2 * value + 4 * slots)
 
 
-def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, start):
+def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, start, lookahead):
     """Every (candidate, count, schedule) tried in order of its lower bound."""
     cl, dtype = knobs["cluster"], knobs["dtype"]
     least = {}
@@ -332,42 +340,82 @@ def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, st
     best = float("inf")
     kept = None  # (row, plan, estimate) of the best-ranked fitting row so far
     stopped = ""
+    at = 0  # the queue's entry being tried
+
+    def upcoming():
+        """What the search will likely evaluate next, for the lookahead: the queue from
+        here, less what it will prune or skip, at counts whose graphs are traced (an
+        SPMD plan's first only: it tries more only where that does not fit)."""
+        for _, i, c, counts in queue[at:]:
+            if c.fallback_of is not None and fits.get(c.fallback_of) is not False:
+                continue
+            if c.state_shards and state / c.state_shards > knobs["capacity"]:
+                continue
+            for m in counts[:1] if c.stages == 1 and not c.microbatches else counts:
+                if (m, c.recompute) in least and bound(c, m) < best:  # graph traced
+                    yield (i, m)
+
+    def make(key):
+        i, m = key
+        return _evaluate(cands[i], m, graph_of(m), n, knobs, schedules)
+
     from tqdm import tqdm
 
     bar = tqdm(queue, desc="auto", unit="cand", disable=not progress, leave=False)
-    for low, _, c, counts in bar:
-        bar.set_postfix_str(c.name[:40])
-        if c.fallback_of is not None and fits.get(c.fallback_of, True):
-            continue  # recompute and the like: only where the plain plan does not fit
-        if c.state_shards and state / c.state_shards > knobs["capacity"]:
-            rows.append(Row(c.name, counts[0], note=_pruned_state(state, c.state_shards)))
-            fits[c.name] = False
-            continue
-        if low >= best:
-            rows.append(Row(c.name, counts[0], note=f"pruned: bound {low * 1e3:.3f} ms"))
-            continue
-        spmd_retry = c.stages == 1 and not c.microbatches
-        for m in counts:
-            if time_limit is not None and time.perf_counter() - start > time_limit:
-                stopped = f"the time limit of {time_limit:.0f} s"
-                break
-            if bound(c, m) >= best:
-                rows.append(Row(c.name, m, note=f"pruned: bound {bound(c, m) * 1e3:.3f} ms"))
+    with _lookahead(make, upcoming, lookahead) as ahead:
+        for k, (low, i, c, counts) in enumerate(bar):
+            at = k  # for upcoming()
+            bar.set_postfix_str(c.name[:40])
+            if c.fallback_of is not None and fits.get(c.fallback_of, True):
+                continue  # recompute and the like: only where the plain plan does not fit
+            if c.state_shards and state / c.state_shards > knobs["capacity"]:
+                rows.append(Row(c.name, counts[0], note=_pruned_state(state, c.state_shards)))
+                fits[c.name] = False
                 continue
-            made = _evaluate(c, m, graph_of(m), n, knobs, schedules)
-            rows.extend(r for r, _, _ in made)
-            for r, plan_s, est in made:
-                if r.fits:
-                    best = min(best, r.step_time)
-                    if kept is None or _rank(r) < _rank(kept[0]):
-                        kept = (r, plan_s, est)
-            made = [r for r, _, _ in made]
-            fits[c.name] = fits.get(c.name, False) or any(r.fits for r in made)
-            if spmd_retry and (fits[c.name] or not any(_sized(r) for r in made)):
-                break  # an SPMD plan tries more micro-batches only to fit
-        if stopped:
-            break
-    return rows, stopped, kept
+            if low >= best:
+                rows.append(Row(c.name, counts[0], note=f"pruned: bound {low * 1e3:.3f} ms"))
+                continue
+            spmd_retry = c.stages == 1 and not c.microbatches
+            for m in counts:
+                if time_limit is not None and time.perf_counter() - start > time_limit:
+                    stopped = f"the time limit of {time_limit:.0f} s"
+                    break
+                if bound(c, m) >= best:
+                    rows.append(Row(c.name, m, note=f"pruned: bound {bound(c, m) * 1e3:.3f} ms"))
+                    continue
+                made = ahead.get((i, m))
+                rows.extend(r for r, _, _ in made)
+                for r, plan_s, est in made:
+                    if r.fits:
+                        best = min(best, r.step_time)
+                        if kept is None or _rank(r) < _rank(kept[0]):
+                            kept = (r, plan_s, est)
+                made = [r for r, _, _ in made]
+                fits[c.name] = fits.get(c.name, False) or any(r.fits for r in made)
+                if spmd_retry and (fits[c.name] or not any(_sized(r) for r in made)):
+                    break  # an SPMD plan tries more micro-batches only to fit
+            if stopped:
+                break
+    return rows, stopped, kept, ahead.made_ahead
+
+
+class _Inline:
+    """No lookahead: every evaluation made when asked for."""
+
+    made_ahead = 0
+
+    def __init__(self, make):
+        self.get = make
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _lookahead(make, upcoming, on: bool):
+    return Lookahead(make, upcoming) if on else _Inline(make)
 
 
 def _sized(r: Row) -> bool:

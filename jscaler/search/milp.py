@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jscaler.search.lookahead import solving
 from jscaler.search.problem import Problem, memory_unit, objective, phase_totals
 
 __all__ = ["Milp", "Result"]
@@ -221,7 +222,8 @@ class Milp:
         h.setOptionValue("presolve", "off")
         h.setOptionValue("simplex_iteration_limit", RELAX_ITERATIONS * lp.num_row_)
         h.passModel(lp)
-        h.run()
+        with solving():
+            h.run()
         status = h.getModelStatus()
         if status == highspy.HighsModelStatus.kInfeasible:
             return Result(None, False, True)
@@ -266,7 +268,8 @@ class Milp:
         work = _Work(len(lp.a_matrix_.value_), work_limit)
         h.setCallback(work, None)
         h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
-        h.run()
+        with solving():  # HiGHS releases the interpreter: a search's lookahead runs
+            h.run()
         status = h.getModelStatus()
         cut = {
             highspy.HighsModelStatus.kInterrupt: "work",
