@@ -23,8 +23,10 @@ schedules of the same stages shares their per-stage costs
 fixed and the solvers are deterministic (HiGHS single-threaded and seeded, stopped by a
 work limit; only its wall-clock backstop, at three times that, ends where a machine's speed
 says, and the row says so); the winner is returned as
-it was planned. Results are cached: the table of every candidate's prediction under
-``<cache_dir>/plans/auto-*.json``, keyed by the graphs, devices, cluster, capacity, dtype,
+it was planned. While an ILP solves, a second thread plans and predicts the candidates next
+in line (:mod:`jscaler.search.lookahead`); the search still takes each in its own order,
+so its rows are the same. Results are cached: the table of every candidate's prediction
+under ``<cache_dir>/plans/auto-*.json``, keyed by the graphs, devices, cluster, capacity, dtype,
 optimizer slots, expert skew, the candidates' names and the search version; a cached
 search rebuilds only the winner.
 
