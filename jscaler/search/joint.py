@@ -344,16 +344,22 @@ def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, st
     stopped = ""
     at = 0  # the queue's entry being tried
 
+    def unneeded(c: Candidate) -> bool:
+        """A fallback (recompute and the like) whose plain plan fits or is not tried."""
+        return c.fallback_of is not None and fits.get(c.fallback_of, True)
+
+    def too_big(c: Candidate) -> bool:
+        """Its model state cannot fit however it is split."""
+        return bool(c.state_shards) and state / c.state_shards > knobs["capacity"]
+
     def upcoming():
         """What the search will likely evaluate next, for the lookahead: the queue from
         here, less what it will prune or skip, at counts whose graphs are traced (an
         SPMD plan's first only: it tries more only where that does not fit)."""
         for _, i, c, counts in queue[at:]:
-            if c.fallback_of is not None and fits.get(c.fallback_of) is not False:
+            if unneeded(c) or too_big(c):
                 continue
-            if c.state_shards and state / c.state_shards > knobs["capacity"]:
-                continue
-            for m in counts[:1] if c.stages == 1 and not c.microbatches else counts:
+            for m in counts[:1] if _retries(c) else counts:
                 if (m, c.recompute) in least and bound(c, m) < best:  # graph traced
                     yield (i, m)
 
@@ -368,16 +374,15 @@ def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, st
         for k, (low, i, c, counts) in enumerate(bar):
             at = k  # for upcoming()
             bar.set_postfix_str(c.name[:40])
-            if c.fallback_of is not None and fits.get(c.fallback_of, True):
-                continue  # recompute and the like: only where the plain plan does not fit
-            if c.state_shards and state / c.state_shards > knobs["capacity"]:
+            if unneeded(c):
+                continue
+            if too_big(c):
                 rows.append(Row(c.name, counts[0], note=_pruned_state(state, c.state_shards)))
                 fits[c.name] = False
                 continue
             if low >= best:
                 rows.append(Row(c.name, counts[0], note=f"pruned: bound {low * 1e3:.3f} ms"))
                 continue
-            spmd_retry = c.stages == 1 and not c.microbatches
             for m in counts:
                 if time_limit is not None and time.perf_counter() - start > time_limit:
                     stopped = f"the time limit of {time_limit:.0f} s"
@@ -394,11 +399,17 @@ def _run(cands, offered, graph_of, n, knobs, schedules, time_limit, progress, st
                             kept = (r, plan_s, est)
                 made = [r for r, _, _ in made]
                 fits[c.name] = fits.get(c.name, False) or any(r.fits for r in made)
-                if spmd_retry and (fits[c.name] or not any(_sized(r) for r in made)):
+                if _retries(c) and (fits[c.name] or not any(_sized(r) for r in made)):
                     break  # an SPMD plan tries more micro-batches only to fit
             if stopped:
                 break
     return rows, stopped, kept, ahead.made_ahead
+
+
+def _retries(c: Candidate) -> bool:
+    """An SPMD candidate of no fixed micro-batch count: it tries the next count offered
+    only where one does not fit."""
+    return c.stages == 1 and not c.microbatches
 
 
 class _Inline:
