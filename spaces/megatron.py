@@ -193,8 +193,8 @@ class Megatron:
         plan = graph.memo(key, lambda: tensor_parallel(graph, mesh, self.sp)).evolve(name=name)
         _warn_whole_attention(graph, self.tp)
         plan = zero_over(plan, graph, self.zero)
-        classes = DimClasses.for_graph(plan.pgraph.graph)
         if self.regions:
+            classes = DimClasses.for_graph(plan.pgraph.graph)
             seeds = _divisible_seeds(graph, tp_seeds(graph, classes)[0], self.tp)
             for ops, seed in tp_regions(classes, seeds, self.tp):
                 if _closed_by_a_weight_op(graph, classes, seed):

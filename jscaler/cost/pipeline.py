@@ -235,10 +235,13 @@ def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Cos
         if o.id in stage_of:
             for t in o.tensor_inputs:
                 first_user.setdefault(t, o)
-    low_of = {}
+    by_block: dict[tuple[int, int], list] = {}  # (stage, pass) -> its ops, in graph order
+    for o in g.ops:
+        if o.id in stage_of:
+            by_block.setdefault((stage_of[o.id], pass_of[o.id]), []).append(o)
     for gi, group in enumerate(plan.groups):
         gp = group.plan
-        low = low_of[gi] = lower(gp, None)
+        low = lower(gp, None)
         recomputed = recomputed_ops(gp)
         times = device_times(gp, cl, dtype, needs, recomputed, expert_skew)
         mesh = gp.mesh
@@ -252,7 +255,7 @@ def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Cos
 
         for s in stages:
             for k in range(sched.passes):
-                ops = [o for o in g.ops if stage_of.get(o.id) == s and pass_of[o.id] == k]
+                ops = by_block.get((s, k), [])
                 f = {d: 0.0 for d in mesh.devices}
                 b = dict(f)
                 for o in ops:

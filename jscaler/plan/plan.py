@@ -241,17 +241,17 @@ class Plan(Memoized):
             regions=self.regions,
         )
         fields.update(changes)
-        new = Plan(**fields)
-        if "pgraph" in self.__dict__ and new.identities == self.identities:
-            new.__dict__["pgraph"] = self.__dict__["pgraph"]  # same graph: reuse, don't rebuild
-        return new
+        return Plan(**fields)
 
     # ---- the plan graph --------------------------------------------------------------
 
     @cached_property
     def pgraph(self) -> PlanGraph:
-        """The forward graph with identities spliced in, plus grad/update ops."""
-        return augment(self.graph, self.identities)
+        """The forward graph with identities spliced in, plus grad/update ops: one per
+        graph and identities, shared by every plan that has them (with what is derived
+        from its graph: dim classes, the layers, which values need gradients)."""
+        key = (augment, self.identities)
+        return self.graph.memo(key, lambda: augment(self.graph, self.identities))
 
     def tree(self, op_id: int) -> Node:
         """The sub-op tree of an op (a single unassigned leaf if untouched)."""
