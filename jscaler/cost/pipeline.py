@@ -314,7 +314,7 @@ def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Cos
                 fwd_cost[s, k] = fwd_cost.get((s, k), 0.0) + t
         update[gi] += combined.seconds().get(None, 0.0)
         memory[gi] = _group_memory(
-            act, gp, low, g, stages, stage_of, pass_of, last, sched, cl, masters
+            act, gp, low, g, stages, stage_of, by_block, last, sched, cl, masters
         )
 
     # point-to-point: a value crossing groups is received before the consumer's forward
@@ -377,11 +377,12 @@ def _share_of(g, n: int) -> float:
 
 
 def _group_memory(
-    scale, gp, low, g, stages, stage_of, pass_of, last, sched, cl, state: float = 1.0
+    scale, gp, low, g, stages, stage_of, by_block, last, sched, cl, state: float = 1.0
 ) -> _GroupMemory:
     """A group's stages' memory per device: their parameter copies and gradients (see
     below), batch and kept activations per micro-batch in flight (the update's master
-    copy and optimizer state are not the group's: :func:`_update_share`)."""
+    copy and optimizer state are not the group's: :func:`_update_share`); ``by_block``:
+    (stage, pass) -> its ops in graph order, as :func:`_costs` groups them."""
     sizes = gp.mesh.shape
 
     def size(t, layout):
@@ -413,7 +414,7 @@ def _group_memory(
     saved = saved_for_backward(g, recompute_groups(gp), views=True)
     stage_bytes, extra = [], 0.0
     for s in stages:
-        ops = [o for o in mine if stage_of[o.id] == s and pass_of[o.id] == last]
+        ops = by_block.get((s, last), [])
         kept = {
             t: size(t, lay)
             for o in ops
