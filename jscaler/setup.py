@@ -12,6 +12,7 @@ from pathlib import Path
 
 __all__ = [
     "cache_dir",
+    "cpu_processes",
     "distributed_timeouts",
     "enable_compilation_cache",
     "init_distributed",
@@ -38,15 +39,35 @@ def use_cpu_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-def enable_compilation_cache() -> None:
-    """Turns on JAX's persistent compilation cache under :func:`cache_dir`."""
+def enable_compilation_cache() -> bool:
+    """Turns on JAX's persistent compilation cache under :func:`cache_dir`; returns
+    whether it did.
+
+    Not in a multi-process run on CPU devices (``jscaler launch``): under jaxlib 0.12.1 an
+    executable read back from the cache by several processes deadlocks in its first gloo
+    all-reduce (every device thread waits in ``gloo::allreduce``; a cold cache, or the
+    cache off, trains; 0.12.0.1 did not hang). Call after :func:`init_distributed`.
+    """
     import jax
 
+    if cpu_processes():
+        jax.config.update("jax_enable_compilation_cache", False)
+        return False
     path = cache_dir() / "xla"
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return True
+
+
+def cpu_processes() -> bool:
+    """Whether this process is one of several of a run on simulated CPU devices
+    (``jscaler launch`` sets ``JSCALER_COORDINATOR`` and gives each process CPU devices)."""
+    return (
+        "JSCALER_COORDINATOR" in os.environ
+        and int(os.environ.get("JSCALER_NUM_PROCESSES", "1")) > 1
+    )
 
 
 def init_distributed() -> bool:

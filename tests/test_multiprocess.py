@@ -32,6 +32,35 @@ def test_two_processes_train_a_pipeline_equal_to_one_device(plan, schedule):
     assert "MATCH" in proc.stdout
 
 
+def test_data_parallel_across_two_processes_twice_on_one_compilation_cache(tmp_path):
+    """Gradients all-reduced across processes (gloo), the second run after the first has
+    filled the cache: under jaxlib 0.12.1 an executable read back from the persistent
+    cache by both processes hung in its first all-reduce, so multi-process CPU runs keep
+    the cache off (jscaler.setup.enable_compilation_cache)."""
+    env = dict(os.environ, JSCALER_CACHE_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "jscaler.cli", "launch", "--nprocs", "2",
+           "--devices-per-proc", "4", "--timeout", "150", "--", "jscaler", "train",
+           "--model", "gpt-tiny", "--steps", "2"]  # fmt: skip
+    for run in range(2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        out = proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, f"run {run}: exit {proc.returncode}\n{out}"
+        assert "plan dp(dp=8) on 8 devices" in proc.stdout
+        assert "loss 6.1301 -> 5.8908 in 2 steps" in proc.stdout, out
+
+
+def test_multi_process_cpu_runs_keep_the_compilation_cache_off(monkeypatch):
+    from jscaler import setup
+
+    monkeypatch.setenv("JSCALER_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("JSCALER_NUM_PROCESSES", "2")
+    assert setup.cpu_processes()
+    monkeypatch.setenv("JSCALER_NUM_PROCESSES", "1")
+    assert not setup.cpu_processes()
+    monkeypatch.delenv("JSCALER_COORDINATOR")
+    assert not setup.cpu_processes()
+
+
 def test_the_stacked_handoff_in_one_process(monkeypatch):
     """The multi-process update path (arrays assembled from the groups' shards, summed
     over the stacked pipe axis) run in one process: same numbers as one device."""

@@ -337,7 +337,13 @@ def _bind_call(op: Op, ins, out_shapes):
         )
     glob = shapes.pop() if shapes else ()
     local = tuple(out_shapes[0]) if out_shapes else glob
-    outs = _eval_elementwise(inner, ins, glob, local)
+    try:
+        outs = _eval_elementwise(inner, ins, glob, local)
+    except (LayoutError, TypeError, ValueError) as e:
+        raise LayoutError(
+            f"{op.where}: the {op.primitive} cannot run on pieces of shape {local} (whole: "
+            f"{glob}): {e}; leave it outside the manual region"
+        ) from None
     _check_shapes(op, outs, out_shapes)
     return outs
 
@@ -358,16 +364,58 @@ def _eval_elementwise(inner, ins, glob, local):
             outs = _eval_elementwise(eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")), args,
                                      glob, local)  # fmt: skip
         else:
-            params = dict(eqn.params)
-            for key in ("shape", "new_sizes"):
-                if key in params and tuple(params[key]) == tuple(glob):
-                    params[key] = local
-            if "sharding" in params:
-                params["sharding"] = None
+            params = _local_params(eqn, args, glob, local)
             out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
             outs = out if eqn.primitive.multiple_results else [out]
+            want = [_local_shape(v.aval.shape, glob, local) for v in eqn.outvars]
+            got = [tuple(o.shape) for o in outs]
+            if any(w is not None and g != w for g, w in zip(got, want)):
+                raise LayoutError(
+                    f"the {eqn.primitive.name} inside gives {got} on a piece where "
+                    f"{want} was expected"
+                )
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _local_shape(shape, glob, local):
+    """A body value's shape on the piece, where it follows from ``glob -> local``: the
+    whole shape, or the shape with unit dims added or dropped (a kept-dims reduction's
+    ``(.., 1)``); None where it does not."""
+    shape = tuple(shape)
+    if shape == tuple(glob):
+        return tuple(local)
+    if [d for d in shape if d != 1] == [d for d in glob if d != 1] and len(shape) != len(glob):
+        split = iter(loc for g, loc in zip(glob, local) if g != 1)
+        return tuple(1 if d == 1 else next(split) for d in shape)
+    return None
+
+
+def _local_params(eqn, args, glob, local) -> dict:
+    """``eqn``'s params with its global sizes made those of the piece. A broadcast's output
+    dim that an operand dim fills keeps that dim's local size (a reduction over the last
+    axis of a softmax broadcast back to ``(.., 1)``, jax 0.12.1's ``_softmax``); the
+    broadcast's new dims, and a reshape's sizes, follow :func:`_local_shape`."""
+    params = dict(eqn.params)
+    if "sharding" in params:
+        params["sharding"] = None
+    name = eqn.primitive.name
+    if name == "broadcast_in_dim":
+        shape = list(params["shape"])
+        whole = _local_shape(shape, glob, local)
+        if whole is not None:
+            shape = list(whole)
+        src = eqn.invars[0].aval.shape
+        for i, d in enumerate(params["broadcast_dimensions"]):
+            if src[i] == params["shape"][d]:  # not broadcast along d: the operand's size
+                shape[d] = args[0].shape[i]
+        params["shape"] = tuple(shape)
+    elif name in ("reshape", "iota"):
+        key = "new_sizes" if name == "reshape" else "shape"
+        mapped = _local_shape(params[key], glob, local)
+        if mapped is not None:
+            params[key] = mapped
+    return params
 
 
 def _check_shapes(op: Op, outs, out_shapes):
