@@ -18,7 +18,19 @@ from bench import cost
 from jscaler.cost import get_cluster
 from spaces.parse import parse_plan
 
+from parity import xla_0_12_1_memory
+
 ARGS_TOL, COMM_TOL, TOTAL_TOL = 0.01, 0.05, 0.10
+
+# jaxlib 0.12.1's CPU backend reduces ZeRO-3's (dp=8) gradients in pairs, as the backward
+# makes them (40 all-reduces where 0.12.0 combined them into 3): XLA's temporaries fell
+# 25-28% below what the one-collective rule of jscaler.cost.memory charges, which now
+# overestimates the total by 27-32% (docs/cost-model.md, known misses). Strict: a cost
+# model that follows it, or a jaxlib that combines again, fails these until updated.
+ZERO3_PAIRS = xla_0_12_1_memory(
+    "ZeRO-3 gradients reduced in pairs on CPU; the estimate charges one combined "
+    "reduction (27-32% over)"
+)
 
 
 def _check(row: cost.Row) -> None:
@@ -33,7 +45,7 @@ def _check(row: cost.Row) -> None:
     "model, expr",
     [
         ("gpt-tiny", "dp"),
-        ("gpt-tiny", "zero(stage=3)"),
+        pytest.param("gpt-tiny", "zero(stage=3)", marks=ZERO3_PAIRS),
         ("gpt-tiny", "megatron(tp=4, dp=2, zero=3)"),
         # a dropless MoE: JAX lowers ragged_dot on CPU as a dense dot over the (local)
         # groups, whose expanded rows XLA keeps to the backward (ragged_expansions)
@@ -41,11 +53,15 @@ def _check(row: cost.Row) -> None:
         ("moe-tiny-dropless", "dp"),
         # T5's embedding, read by both lookups and the tied LM head: each reader's
         # gradient contribution and their sum live at the reduction (shared_params)
-        ("t5-tiny", "zero(stage=3)"),
+        pytest.param("t5-tiny", "zero(stage=3)", marks=ZERO3_PAIRS),
         pytest.param("hf-gpt2", "dp", marks=pytest.mark.slow),
         pytest.param("hf-llama", "dp", marks=pytest.mark.slow),
         # the loss's max over a vocabulary of 512 in two levels: no gathered logits
-        pytest.param("hf-llama", "megatron(tp=4, dp=2, zero=3)", marks=pytest.mark.slow),
+        pytest.param(
+            "hf-llama",
+            "megatron(tp=4, dp=2, zero=3)",
+            marks=[pytest.mark.slow, xla_0_12_1_memory("argument bytes 1.7% over (4.1 kB)")],
+        ),  # fmt: skip
         # views of ZeRO-3-gathered weights (FlaxConv1D's transposed kernels, the tied LM
         # head) dropped with the weights
         pytest.param("hf-gpt2", "megatron(tp=4, dp=2, zero=3)", marks=pytest.mark.slow),
@@ -101,7 +117,7 @@ def _peak(trainer, batch) -> int:
         "megatron(tp=4, dp=2, zero=3)",
         # XLA's CPU backend all-reduces ZeRO's gradients whole, then slices them: the
         # estimate charges the whole reduced gradient on the "cpu" cluster
-        "zero(stage=3)",
+        pytest.param("zero(stage=3)", marks=ZERO3_PAIRS),
     ],
 )
 def test_preflight_both_ways(expr):

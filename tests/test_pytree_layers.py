@@ -14,7 +14,7 @@ import jscaler
 from jscaler.compile.hlo import collectives
 from spaces import megatron, zero
 
-from parity import assert_matches_reference
+from parity import assert_matches_reference, xla_0_12_1_memory
 
 
 @functools.cache
@@ -63,7 +63,15 @@ def _memory(trainer, b):
 
 @pytest.mark.parametrize(
     "plan, reshards, seq",
-    [(zero(3), True, 64), (megatron(tp=4, dp=2, zero=3), False, 128)],
+    [
+        (zero(3), True, 64),
+        pytest.param(
+            megatron(tp=4, dp=2, zero=3),
+            False,
+            128,
+            marks=xla_0_12_1_memory("keeping the gathers takes 9.21 MB, resharding 8.53"),
+        ),
+    ],
     ids=lambda x: str(x) if not isinstance(x, int) else f"seq{x}",
 )
 def test_a_layer_is_resharded_only_where_that_saves_memory(plan, reshards, seq, monkeypatch):

@@ -303,6 +303,9 @@ class _Matcher:
         if sub.inputs[0] != x or (found := self._row_max(first)) is None:
             return None
         axis, ops, t = found
+        if (o := self.sole(t, "stop_gradient")) is not None:  # jax's softmax traced inline
+            ops.append(o.id)
+            t = o.outputs[0]
         if (o := self.sole(t, "max")) is not None:
             init = o.inputs[0] if o.inputs[1] == t else o.inputs[1]
             while not isinstance(init, Literal) and init not in inits:

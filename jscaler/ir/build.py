@@ -11,7 +11,7 @@ import jax
 import jax.extend.core as jcore
 
 from jscaler.errors import AnnotationError, UnsupportedOpError
-from jscaler.ir.control import COMPOSITES, INLINE, composite
+from jscaler.ir.control import COMPOSITES, INLINE, composite, numeric_jvp
 from jscaler.ir.flops import op_flops
 from jscaler.ir.graph import Graph, Literal, Op, Tensor
 from jscaler.ir.loops import static_trip_count, while_as_scan
@@ -110,8 +110,9 @@ class Builder:
             o = self.ops[k]
             self.ops[k] = dataclasses.replace(o, outputs=tuple(rename.get(x, x) for x in o.outputs))
 
-    def convert(self, jaxpr, consts, in_ids, prefix: str = "") -> list:
-        """Adds the ops of ``jaxpr`` fed by ``in_ids``; returns its output ids/literals."""
+    def convert(self, jaxpr, consts, in_ids, prefix: str = "", stop_max: bool = False) -> list:
+        """Adds the ops of ``jaxpr`` fed by ``in_ids``; returns its output ids/literals.
+        ``stop_max``: every ``reduce_max`` is followed by a ``stop_gradient``."""
         env: dict = {}
 
         def read(v):
@@ -132,16 +133,30 @@ class Builder:
             if name in INLINE:
                 closed = eqn.params["jaxpr"]
                 outs = self.convert(closed.jaxpr, closed.consts, ins, path)
+            elif (numeric := numeric_jvp(eqn)) is not None:  # jax's softmax, logsumexp
+                closed, stop = numeric
+                outs = self.convert(closed.jaxpr, closed.consts, ins, path, stop)
             elif trips is not None:  # a fixed trip count: a scan JAX can differentiate
                 closed = while_as_scan(eqn, trips)
                 outs = self.convert(closed.jaxpr, closed.consts, ins, path)
             else:
                 outs = [self.new_tensor(v.aval) for v in eqn.outvars]
                 self.ops.append(self._op(eqn, ins, outs, path))
+                if stop_max and name == "reduce_max":
+                    outs = self._stopped(outs, path)
             for v, o in zip(eqn.outvars, outs):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = o
         return [read(v) for v in jaxpr.outvars]
+
+    def _stopped(self, ids: list, path: str) -> list:
+        """``stop_gradient`` of each of ``ids`` (tensors built here)."""
+        out = []
+        for t in ids:
+            x = self.tensors[t]
+            closed = jax.make_jaxpr(jax.lax.stop_gradient)(jax.ShapeDtypeStruct(x.shape, x.dtype))
+            out.extend(self.convert(closed.jaxpr, closed.consts, [t], path))
+        return out
 
     def _trips(self, eqn, ins) -> int | None:
         def known(k):

@@ -12,7 +12,7 @@ from jscaler.ir.annotation import Annotation
 from jscaler.ir.compose import compose
 from jscaler.ir.graph import Graph
 
-__all__ = ["COMPOSITES", "INLINE", "composite", "scan_layout"]
+__all__ = ["COMPOSITES", "INLINE", "composite", "numeric_jvp", "scan_layout"]
 
 # nested jits: traced through, their ops joining the caller's graph
 INLINE = {"jit", "pjit", "closed_call", "core_call"}
@@ -33,6 +33,29 @@ HIJAX = "call_hi_primitive"
 COMPOSITES = set(CALLS) | {"scan", "cond", "while", HIJAX}
 
 MakeBody = Callable[[object], Graph]  # a (closed) jaxpr -> its Graph
+
+# jax's own custom derivatives that exist for numerics alone and whose bodies jax traced
+# inline up to 0.12.0 (0.12.1 made jax.nn.softmax and logsumexp custom_jvp calls): name in
+# jax/_src/ops/special.py -> whether the body's max takes no gradient (softmax's rule is
+# shift-invariant; its body lacks the stop_gradient that logsumexp's has). Traced inline,
+# the max over a vocabulary is a graph op of its own again (jscaler.ir.extrema keeps it
+# split) and attention's softmax is ops a region can split.
+_NUMERIC_JVPS = {"_softmax": True, "_logsumexp_impl": False}
+_SPECIAL = "jax/_src/ops/special.py"
+
+
+def numeric_jvp(eqn) -> tuple[object, bool] | None:
+    """(its body, whether the body's max takes no gradient) for a ``custom_jvp_call`` of
+    one of jax's :data:`_NUMERIC_JVPS`; None for any other equation."""
+    if eqn.primitive.name != "custom_jvp_call":
+        return None
+    closed = eqn.params["call_jaxpr"]
+    info = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
+    src = getattr(info, "func_src_info", None) or ""
+    name, _, where = src.partition(" at ")
+    if name not in _NUMERIC_JVPS or _SPECIAL not in where.replace("\\", "/"):
+        return None
+    return closed, _NUMERIC_JVPS[name]
 
 
 def composite(eqn, make_body: MakeBody) -> tuple[Annotation | None, float, str, Graph]:

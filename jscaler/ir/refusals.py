@@ -71,7 +71,7 @@ REFUSED: dict[str, Refusal] = {
         "pbroadcast_dynamic pvary vary_unreduced_cast reduced_vary_cast all_gather_start "
         "all_gather_done all_gather_reduced_start all_to_all_start all_to_all_done "
         "ppermute_start ppermute_done psum_done psum_invariant_start reduce_scatter_start "
-        "reduce_scatter_done".split(),
+        "reduce_scatter_done pmax_scatter pmin_scatter pxor".split(),
         _COLLECTIVE,
     ),
     **dict.fromkeys(

@@ -19,14 +19,16 @@ UNARY = (
     "lgamma digamma bessel_i0e bessel_i1e integer_pow square convert_element_type "
     "stop_gradient real imag conj population_count clz reduce_precision copy copy_p "
     "sharding_constraint random_seed log2 one_minus_square random_clone name zeros_like "
-    "reshard layout_constraint relayout xla_metadata_value"
+    "reshard layout_constraint relayout xla_metadata_value "
+    "sinpi cospi tanpi asinpi acospi atanpi exp2m1 log2p1"  # jax 0.12.1
 ).split()
 BINARY = (
     "add sub mul div rem max min pow atan2 nextafter and or xor eq ne lt le gt ge shift_left "
     "shift_right_logical shift_right_arithmetic add_any complex igamma igammac "
-    "random_gamma_grad polygamma zeta random_fold_in mulhi igamma_grad_a eq_to le_to lt_to tie"
+    "random_gamma_grad polygamma zeta random_fold_in mulhi igamma_grad_a eq_to le_to lt_to tie "
+    "atan2pi"  # jax 0.12.1
 ).split()
-TERNARY = "select_n clamp threefry2x32 regularized_incomplete_beta".split()
+TERNARY = "select_n clamp threefry2x32 regularized_incomplete_beta fma fmuladd".split()
 # counter-based generators over n words -> m words of one shape
 COUNTER = "threefry4x32 philox2x32 philox4x32".split()
 # x and rank-0 coefficients
@@ -176,7 +178,8 @@ def random_split(eqn):
     return nm.build([keys], [keys + nm.fresh(len(o) - len(s), "^")])
 
 
-@builtin_rule("custom_linear_solve", "pure_callback", "rng_uniform")
+# random_poisson, raw_bits (jax 0.12.1): samples whose values depend on the whole shape
+@builtin_rule("custom_linear_solve", "pure_callback", "rng_uniform", "random_poisson", "raw_bits")
 def whole(eqn):
     """Ops whose insides jscaler does not read (a linear solve given as functions, a host
     callback) or whose values depend on when they run (the stateful ``rng_uniform``):
