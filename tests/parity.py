@@ -3,8 +3,10 @@
 import functools
 
 import jax
+import jaxlib
 import numpy as np
 import optax
+import pytest
 
 import jscaler
 import models
@@ -23,13 +25,11 @@ STEPS = 3
 # jaxlib 0.12.1's CPU backend lays out some steps' memory differently from 0.12.0, which
 # the cost model was measured against (docs/cost-model.md, known misses): the tests that
 # hold it to XLA there are strict expected failures until it follows
-JAXLIB_0_12_1 = tuple(int(x) for x in jax.__version__.split(".")[:3]) >= (0, 12, 1)
+JAXLIB_0_12_1 = tuple(int(x) for x in jaxlib.__version__.split(".")[:3]) >= (0, 12, 1)
 
 
 def xla_0_12_1_memory(reason: str):
     """A strict xfail on jaxlib >= 0.12.1 for a memory figure XLA changed (``reason``)."""
-    import pytest
-
     return pytest.mark.xfail(JAXLIB_0_12_1, reason=f"jaxlib 0.12.1: {reason}", strict=True)
 
 

@@ -93,7 +93,7 @@ class Builder:
         g = graph
         return Graph(tensors, tuple(ops), g.inputs, g.outputs, g.consts, g.signature)
 
-    def emit(self, fn, ins: list, path: str, graph: Graph) -> list:
+    def emit(self, fn, ins: list, path: str, graph: Graph | None = None) -> list:
         """Traces ``fn`` on tensors ``ins`` (built here, else ``graph``'s) and adds its ops,
         under ``path``: a rewrite's replacement for ops of ``graph``."""
 
@@ -143,20 +143,11 @@ class Builder:
                 outs = [self.new_tensor(v.aval) for v in eqn.outvars]
                 self.ops.append(self._op(eqn, ins, outs, path))
                 if stop_max and name == "reduce_max":
-                    outs = self._stopped(outs, path)
+                    outs = self.emit(jax.lax.stop_gradient, outs, path)
             for v, o in zip(eqn.outvars, outs):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = o
         return [read(v) for v in jaxpr.outvars]
-
-    def _stopped(self, ids: list, path: str) -> list:
-        """``stop_gradient`` of each of ``ids`` (tensors built here)."""
-        out = []
-        for t in ids:
-            x = self.tensors[t]
-            closed = jax.make_jaxpr(jax.lax.stop_gradient)(jax.ShapeDtypeStruct(x.shape, x.dtype))
-            out.extend(self.convert(closed.jaxpr, closed.consts, [t], path))
-        return out
 
     def _trips(self, eqn, ins) -> int | None:
         def known(k):
