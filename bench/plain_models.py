@@ -368,8 +368,21 @@ def registered_swin(small: bool) -> BenchModel:
 # the Hugging Face models by name, each taking its Size
 HF_MODELS = {"hf-gpt2": hf_gpt2, "hf-llama": hf_llama, "hf-bert": hf_bert}
 
+
+def _llama(which: str):
+    def build(small: bool) -> BenchModel:
+        from bench import scan_models
+
+        size = scan_models.SCAN_SMALL if small else scan_models.SCAN_SIZE
+        return getattr(scan_models, which)(size)
+
+    return build
+
+
 BUILDERS = {
     "gpt-fused": lambda small: gpt_fused(SMALL if small else Size()),
+    "llama-list": _llama("llama_list"),
+    "llama-scan": _llama("llama_scan"),
     "hf-gpt2": lambda small: hf_gpt2(SMALL if small else HF),
     "hf-llama": lambda small: hf_llama(SMALL if small else HF),
     "gpt-small": registered_gpt,

@@ -75,6 +75,9 @@ def shard_params(
     levels = [*replicas, *axes]
     read = replicas if forward else levels  # a ZeRO-DP plan's ops are not split yet
     outer = {p.id: _consumer_splits(plan, graph, p.id, read) for p in graph.params()}
+    # a stacked parameter an exposed scan reads one layer at a time: its layer axis stays
+    # whole, and ZeRO-3 gathers each iteration's slice inside the loop (FSDP per layer)
+    sliced = {p.id: s for p in graph.params() if (s := _scan_slice(graph, p.id)) is not None}
     algos = {}  # parameter -> per level in ``levels``: the tensor axis split there, or None
     for p in graph.params():
         local = list(p.shape)
@@ -82,41 +85,64 @@ def shard_params(
             if a is not None:
                 local[a] //= plan.mesh.shape[other]
         chosen = {name: outer[p.id].get(name) for name in levels}
+        first = 1 if p.id in sliced else 0
         for name in axes:
             if chosen[name] is None:
-                d = shard_dim(tuple(local), plan.mesh.shape[name])
+                d = shard_dim(tuple(local[first:]), plan.mesh.shape[name])
                 if d is not None:
+                    d += first
                     local[d] //= plan.mesh.shape[name]
                 chosen[name] = d
         if any(chosen[name] != outer[p.id].get(name) for name in axes):
             algos[p.id] = [chosen[name] for name in levels]
     if stage >= 3:
-        plan, _ = op_trans(plan, list(algos), decouple())
+        stored = [sliced[t].outputs[0] if t in sliced else t for t in algos]
+        plan, _ = op_trans(plan, stored, decouple())
     pg = plan.pgraph
-    virtual, dims_of = [], {}
+    virtual, dims_of, shift = [], {}, {}
+    trees = dict(plan.trees)
     for t, dims in algos.items():
         ops = [pg.op(pg.update_ops[_index(pg, t)].id)]
         if stage >= 2:
             ops.append(pg.op(pg.grad_ops[_index(pg, t)].id))
-        if stage >= 3:
+        if stage >= 3 and t in sliced:
+            # the slice is stored as the stack is: planned afresh with the identity
+            ops.append(pg.op(sliced[t].id))
+            ops.append(pg.op(pg.identity_of[sliced[t].outputs[0]]))
+            trees.pop(sliced[t].id, None)
+            shift[ops[-1].id] = shift[ops[-2].id] = 1
+        elif stage >= 3:
             ops.append(pg.op(pg.identity_of[t]))
         virtual.extend(ops)
         dims_of.update((op.id, dims) for op in ops)
+    plan = plan.evolve(trees=trees)
     # each op split (or replicated) once per level, as op_trans would one op at a time,
-    # in one new plan per level
+    # in one new plan per level (a slice's identity names the axes of one layer)
     for level, name in enumerate(levels):
-        want = {op: None if d[level] is None else _letter(d[level]) for op, d in dims_of.items()}
+        want = {
+            op: None if d[level] is None else _letter(d[level] - shift.get(op, 0))
+            for op, d in dims_of.items()
+        }
         plan = split_ops(plan, want, plan.mesh.shape[name], strict=True)
     if forward:
         (only,) = axes
         n = plan.mesh.shape[only]
-        identities = set(pg.identity_of.values())
-        rest = [o for o in pg.graph.ops if o.id not in identities]
+        skip = set(pg.identity_of.values()) | {v.id for v in virtual}
+        rest = [o for o in pg.graph.ops if o.id not in skip]
         plan = split_classes(
             plan, batch_axes(graph, n), n, ops=rest, classes=DimClasses.for_graph(pg.graph)
         )
         plan = assign_mesh(plan, [only], ops=rest)
     return assign_mesh(plan, levels, ops=virtual)
+
+
+def _scan_slice(graph: jscaler.Graph, t: int):
+    """The ``scan_slice`` op that alone reads parameter ``t`` (a stacked layer weight), or
+    None."""
+    users = graph.consumers(t)
+    if len(users) == 1 and users[0].primitive == "scan_slice":
+        return users[0]
+    return None
 
 
 def _letter(axis: int) -> str:

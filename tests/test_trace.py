@@ -165,25 +165,45 @@ def test_linen_scan_remat_and_custom_vjp():
     params, batch, loss = scan_setup()
     g = jscaler.trace(loss, params, batch)
     kinds = {o.primitive: o.kind for o in g.ops}
-    assert kinds["scan"] == "loop" and kinds["remat2"] == "call"
+    # nn.scan over stacked layers: its body's ops are graph ops, one iteration's
+    assert "scan" not in kinds and kinds["remat2"] == "call"
     assert kinds["custom_vjp_call"] == "call"  # kept whole, so its custom grad survives
-    loop = next(o for o in g.ops if o.kind == "loop")
-    assert {o.path for o in loop.body.ops} >= {"ScanMLP/layers/Dense_0"}
-    batch_dim = loop.annotation.inputs[0][0][0]  # the carry (no consts here): batch splits
-    assert batch_dim in loop.annotation.splittable()
+    looped = [o for o in g.ops if o.loop is not None]
+    assert {o.primitive for o in looped} >= {"scan_carry", "scan_slice", "scan_final"}
+    assert {o.loop.length for o in looped} == {3}
+    assert {o.path for o in looped} >= {"ScanMLP/layers/Dense_0"}
+    carry = next(o for o in looped if o.primitive == "scan_carry")
+    assert carry.annotation.inputs[0][0][0] in carry.annotation.splittable()  # the batch
     l1, g1 = jax.jit(jax.value_and_grad(loss))(params, batch)
     l2, g2 = jax.jit(jax.value_and_grad(g.as_fn()))(params, batch)
     assert_close(l2, l1, "loss")
     assert_close(g2, g1, "grad")
 
 
+def rnn_setup():
+    """A scan over time whose stacked input is data, not layers: it stays a loop op."""
+    params = {"w": jax.random.normal(jax.random.key(0), (6, 6)) * 0.3}
+    batch = {"x": jax.random.normal(jax.random.key(1), (3, 4, 6))}
+
+    def loss(p, b):
+        def step(h, x):
+            with jax.named_scope("cell"):
+                return jnp.tanh(h @ p["w"] + x), None
+
+        h, _ = jax.lax.scan(step, jnp.zeros((4, 6)), b["x"])
+        return jnp.mean(h**2)
+
+    return params, batch, loss
+
+
 def test_unroll_expands_a_scan_into_layers():
-    params, batch, loss = scan_setup()
+    params, batch, loss = rnn_setup()
     g = jscaler.trace(loss, params, batch)
     loop = next(o for o in g.ops if o.kind == "loop")
+    assert loop.loop is None  # a scan over data is not exposed
     u = unroll(g, loop)
     assert not [o for o in u.ops if o.kind == "loop"]
-    assert [layer.name for layer in u.layers()] == [f"ScanMLP/layers/{i}" for i in range(3)]
+    assert len(u.layers()) == 3
     assert u.coverage().ops == 1.0
     assert u.flops == pytest.approx(g.flops)
     l1, g1 = jax.jit(jax.value_and_grad(loss))(params, batch)

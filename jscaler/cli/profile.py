@@ -71,7 +71,7 @@ def _profile(args) -> int:
             - mem.alias_size_in_bytes
         ) / 2**20  # fmt: skip
         found = collectives(compiled.as_text(), trainer.plan.mesh.axes)
-        row["comm_mb"] = sum(c.bytes for c in found) / 1e6
+        row["comm_mb"] = sum(c.bytes * c.times for c in found) / 1e6
     trainer.step(batch)  # compiles
     # the timed steps run outside the profiler, on batches made beforehand (the tracer
     # and making a batch each slow a step: docs/cli.md has the H200 figures); the trace

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jscaler.compile.layout import Layout, replicated
-from jscaler.compile.reshard import reshard_units
+from jscaler.compile.reshard import loop_regathers, reshard_units
 from jscaler.ir.graph import Literal
 
 __all__ = ["CommTable", "Transfer", "comm_table", "convert"]
@@ -212,8 +212,16 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
         tensor = g.tensors[t]
         return tensor.shape, jnp.dtype(tensor.dtype).itemsize
 
-    def add(phase, kind, t, path, axes, nbytes, times, op=None):
+    # an op in an exposed scan runs once per iteration, and so do the collectives at its
+    # inputs and outputs; a scan's stacked inputs and initial carries are re-laid once,
+    # before the loop, its results once after it
+    repeats = {o.id: o.repeats for o in g.ops if o.loop is not None}
+    once = {o.id for o in g.ops if o.primitive in ("scan_carry", "scan_slice")}
+
+    def add(phase, kind, t, path, axes, nbytes, times, op=None, at_input=False):
         if nbytes:
+            if op in repeats and not (at_input and op in once):
+                times *= repeats[op]
             rows.append(Transfer(phase, kind, t, path, tuple(axes), int(nbytes), times, op))
 
     # ---- forward: reductions at producers, conversions at consumers ------------------
@@ -242,6 +250,9 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
             seen.add((x, lay))
             shape, isz = info(x)
             again = [("recompute", m)] if x in regathered and op.id not in recomputed else []
+            made_by = g.producer(x)
+            if op.loop is not None and made_by is not None and made_by.kind == "identity":
+                again = [("recompute", m)] if loop_regathers(lowered, op.loop) else []
             todo = phases + again
             twice = (x, lay) in converted  # another reader converted it so in the forward
             converted.add((x, lay))
@@ -249,7 +260,7 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
                 for phase, times in todo:
                     merged = x in weights or kind == "all-to-all"
                     if not (twice and merged and phase == "forward"):
-                        add(phase, kind, x, op.path, axes, nbytes, times, op.id)
+                        add(phase, kind, x, op.path, axes, nbytes, times, op.id, True)
         for t, lay in zip(op.outputs, lays.outputs):
             final = output_layout(lowered, op, t, lay)
             producer_layout[t] = final
@@ -294,12 +305,12 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
                 if gathered is not None and _total(gathered) < _total(red):
                     red = gathered
             for kind, axes, nbytes in red:
-                add("backward", kind, x, op.path, axes, nbytes, m, op.id)
+                add("backward", kind, x, op.path, axes, nbytes, m, op.id, True)
             after = lay
             if red and red[0][0] == "reduce-scatter":
                 after = target
             for kind, axes, nbytes in convert(shape, isz, after, target, sizes):
-                add("backward", kind, x, op.path, axes, nbytes, m, op.id)
+                add("backward", kind, x, op.path, axes, nbytes, m, op.id, True)
 
     # ---- optimizer: gradient and parameter to the update layout, back to storage ----
     for t in lowered.update:

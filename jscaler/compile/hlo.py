@@ -8,7 +8,9 @@ whose every user keeps only 1/n of it (n devices in its group) is counted as one
 does it fold an all-reduce whose only reader is an all-reduce over other mesh axes (the
 SPMD partitioner reduces a contraction split over two axes one axis at a time; the GPU
 compiler's AllReduceFolder makes the pair one all-reduce over both): such a pair is
-counted as that one all-reduce, as it runs on a GPU.
+counted as that one all-reduce, as it runs on a GPU. A collective inside a ``while`` loop
+(a ``scan`` over layers) runs once per iteration: it counts ``times`` = the loop's known
+trip count (nested loops multiply).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Collective:
     group: int
     op_name: str
     name: str
+    times: int = 1  # runs per step: the trip counts of the while loops around it
 
 
 def _shape_bytes(text: str) -> tuple[int, int]:
@@ -128,12 +131,19 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
     """
     instrs = {}
     users = defaultdict(list)
+    runs = _runs(hlo_text)
+    where = {}  # instruction -> its computation
+    computation = ""
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
+        head = None if m else _COMPUTATION.match(line)
+        if head:
+            computation = head.group(1)
         if not m:
             continue
         name, rtype, opcode, rest = m.groups()
         instrs[name] = (rtype, opcode, line)
+        where[name] = computation
         for operand in re.findall(r"%([\w.\-]+)", rest.split("),")[0]):
             users[operand].append(name)
     folded = _folded_pairs(instrs, users, mesh)
@@ -165,8 +175,47 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
                 kept = [_shape_bytes(instrs[u][0])[1] for u in readers]
                 if kept and all(k * part_group == elems for k in kept):
                     part_kind = "reduce-scatter"
-            out.append(Collective(part_kind, nbytes, part_axes, part_group, op_name, name))
+            times = runs.get(where[name], 1)
+            out.append(Collective(part_kind, nbytes, part_axes, part_group, op_name, name, times))
     return out
+
+
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+_CALLED = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _runs(hlo_text: str) -> dict[str, int]:
+    """computation name -> how many times it runs per execution of the entry: a while
+    loop's body its known trip count times its caller's (1 when XLA does not know it)."""
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    entry, computation = None, ""
+    for line in hlo_text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head and not _INSTR.match(line):
+            computation = head.group(1)
+            if line.lstrip().startswith("ENTRY"):
+                entry = computation
+            continue
+        trips = _TRIPS.search(line)
+        for role, callee in _CALLED.findall(line):
+            n = int(trips.group(1)) if trips and role == "body" else 1
+            calls[computation].append((callee, n))
+        for group in _BRANCHES.findall(line):
+            for callee in re.findall(r"%?([\w.\-]+)", group):
+                calls[computation].append((callee, 1))
+    runs: dict[str, int] = {}
+    todo = [(entry, 1)] if entry else []
+    while todo:
+        comp, n = todo.pop()
+        if runs.get(comp, 0) >= n:
+            continue
+        runs[comp] = n
+        todo.extend((callee, n * k) for callee, k in calls.get(comp, ()))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -245,5 +294,5 @@ def summarize(colls: list[Collective]) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
     for c in colls:
         n, b = out.get(c.kind, (0, 0))
-        out[c.kind] = (n + 1, b + c.bytes)
+        out[c.kind] = (n + c.times, b + c.bytes * c.times)
     return out

@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 
 from jscaler.compile.segment import Segment
-from jscaler.ir.graph import Literal, Op
+from jscaler.ir.graph import LOOP_PRIMITIVES, Literal, Op
 
-__all__ = ["reshard_units", "run_resharded", "worth_it"]
+__all__ = ["loop_regathers", "reshard_units", "run_resharded", "worth_it"]
 
 
 def reshard_units(low, ops: list[Op]) -> dict[int, list[Op]]:
@@ -74,6 +74,20 @@ def reshard_units(low, ops: list[Op]) -> dict[int, list[Op]]:
         if worth_it(low, unit):
             units[unit[0].id] = unit
     return units
+
+
+def loop_regathers(low, loop) -> bool:
+    """Whether an exposed scan's backward gathers its ZeRO-3 weights again (one layer at a
+    time, as FSDP does) rather than keeping every iteration's: by :func:`worth_it` on one
+    iteration's ops (the loop's body is rerun from its inputs in the backward anyway, see
+    ``jscaler.compile.lower.loop_saves``)."""
+
+    def decide():
+        g = low.plan.pgraph.graph
+        body = [o for o in g.ops if o.loop is loop and o.primitive not in LOOP_PRIMITIVES]
+        return any(o.kind == "identity" for o in body) and worth_it(low, body)
+
+    return low.memo((loop_regathers, loop), decide)
 
 
 def worth_it(low, unit: list[Op]) -> bool:

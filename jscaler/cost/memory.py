@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from jscaler.compile.comm import NON_DIFFERENTIABLE, needs_grad
 from jscaler.compile.layout import Layout
-from jscaler.compile.reshard import reshard_units
+from jscaler.compile.lower import output_layout
+from jscaler.compile.reshard import loop_regathers, reshard_units
 from jscaler.cost.cluster import Cluster
 from jscaler.cost.fusion import fused_kept, materialised
 from jscaler.ir.graph import Literal
@@ -257,9 +258,13 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
         # a value crossing into or out of a recomputed unit is kept as it is: the chain
         # that made it is not rerun from its inputs, which are not kept
         saved = fused_kept(g, saved, unit_edges(g, units)) - dropped
-    kept = {t: size(t, produced[t]) for t in saved if t in produced}
+    in_loops = {t for o in g.ops if o.loop is not None for t in o.outputs}
+    kept = {t: size(t, produced[t]) for t in saved if t in produced and t not in in_loops}
+    looped, iteration = loop_residuals(low, g, saved, sizes)
+    kept.update(looped)
     work = max(
         working_set(low, None, cl.fuses_elementwise),
+        iteration,
         *(sum(size(t, produced[t]) for t in ts) for ts in gathered),
         0.0,
     )
@@ -276,6 +281,47 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
         if t in low.grad
     )
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
+
+
+CONTRACTIONS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+
+def loop_residuals(low, g, saved, sizes) -> tuple[dict, float]:
+    """What the backward keeps of the exposed scans (the lowering's ``loop_saves``): per
+    iteration, the carries it starts with, the matmuls' outputs a gradient flows through
+    and the inputs re-laid for an op (a layout conversion's result, so that no collective
+    runs twice); everything else is rerun from those while that iteration's backward
+    runs. Returns (key -> bytes kept over all iterations, the largest one iteration's
+    saved values take while its backward runs). A stacked parameter's slice is the stack
+    itself, and ZeRO-3's gathered weights are gathered again (not kept)."""
+    needs = needs_grad(g)
+    kept: dict = {}
+    iteration: dict = {}
+    producer_layout = {
+        t: output_layout(low, o, t, lay)
+        for o in g.ops
+        for t, lay in zip(o.outputs, low.ops[o.id].outputs)
+    }
+    for o in g.ops:
+        if o.loop is None or o.primitive in ("scan_final", "scan_stack", "scan_slice"):
+            continue
+        n, lays = o.repeats, low.ops[o.id]
+        for t, lay in zip(o.outputs, lays.outputs):
+            b = local_bytes(g, t, lay.reduced if lay.partial else lay, sizes)
+            if t in saved:
+                iteration[o.loop] = iteration.get(o.loop, 0.0) + b
+            if o.primitive == "scan_carry" or o.primitive in CONTRACTIONS and t in needs:
+                kept[t] = n * b
+        if o.kind == "identity" or o.primitive == "scan_carry":
+            continue
+        for x, lay in zip(o.inputs, lays.inputs):
+            if isinstance(x, Literal) or x not in needs or producer_layout.get(x) in (None, lay):
+                continue
+            made = g.producer(x)
+            if made is not None and made.kind == "identity" and loop_regathers(low, o.loop):
+                continue  # gathered again
+            kept[(x, lay)] = n * local_bytes(g, x, lay, sizes)
+    return kept, max(iteration.values(), default=0.0)
 
 
 def unit_edges(g, units: Mapping[int, object]) -> frozenset[int]:

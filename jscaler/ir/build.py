@@ -82,8 +82,8 @@ class Builder:
         gone = {t for o in graph.ops if o.id in dropped and o.id not in replace for t in o.outputs}
         ops = []
         for op in graph.ops:
-            if op.id in replace:
-                ops.extend(replace[op.id])
+            if op.id in replace:  # the replacements run where the op ran (in its scan)
+                ops.extend(dataclasses.replace(r, loop=op.loop) for r in replace[op.id])
             elif op.id not in dropped:
                 ops.append(op)
         ops = [dataclasses.replace(o, id=i) for i, o in enumerate(ops)]

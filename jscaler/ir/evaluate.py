@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax._src import source_info_util
 
+from jscaler.ir.expose import loop_groups, run_loop
 from jscaler.ir.graph import Graph, Literal
 
 __all__ = ["evaluate"]
@@ -28,18 +29,31 @@ def evaluate(graph: Graph, *flat_inputs) -> list:
             return x.value
         return env[x]
 
-    for op in graph.ops:
-        eqn = op.eqn
-        params = eqn.primitive.get_bind_params(eqn.params)
-        with (
-            source_info_util.user_context(eqn.source_info.traceback, name_stack=_stack(op.path)),
-            eqn.ctx.manager,
-        ):
-            outs = eqn.primitive.bind(*map(read, op.inputs), **params)
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        env.update(zip(op.outputs, outs))
+    _run(graph.ops, env, None)
     return [jnp.asarray(read(x)) if isinstance(x, Literal) else read(x) for x in graph.outputs]
+
+
+def _run(ops, env: dict, inside) -> None:
+    for loop, group in loop_groups(ops, inside):
+        if loop is not None:  # an exposed scan runs as a scan
+            run_loop(group, env, lambda body, local, loop=loop: _run(body, local, loop))
+            continue
+        for op in group:
+            _bind(op, env)
+
+
+def _bind(op, env: dict) -> None:
+    eqn = op.eqn
+    params = eqn.primitive.get_bind_params(eqn.params)
+    ins = [x.value if isinstance(x, Literal) else env[x] for x in op.inputs]
+    with (
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=_stack(op.path)),
+        eqn.ctx.manager,
+    ):
+        outs = eqn.primitive.bind(*ins, **params)
+    if not eqn.primitive.multiple_results:
+        outs = [outs]
+    env.update(zip(op.outputs, outs))
 
 
 def _stack(path: str):

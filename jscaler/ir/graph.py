@@ -22,7 +22,10 @@ from typing import Any
 from jscaler.ir.annotation import Annotation
 from jscaler.ir.memo import Memoized
 
-__all__ = ["Coverage", "Graph", "Layer", "Literal", "Op", "Tensor"]
+__all__ = ["LOOP_PRIMITIVES", "Coverage", "Graph", "Layer", "Literal", "Loop", "Op", "Tensor"]
+
+# the ops that join an exposed scan's body to the graph around it (jscaler.ir.expose)
+LOOP_PRIMITIVES = ("scan_carry", "scan_slice", "scan_final", "scan_stack")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,29 @@ class Literal:
 
 
 @dataclass(frozen=True)
+class Loop:
+    """A ``scan`` whose body's ops are graph ops (:func:`jscaler.ir.expose.expose_loops`).
+
+    The ops of one exposed scan are contiguous and all carry the same Loop: per carry a
+    ``scan_carry`` (initial value -> the body's carry in), per stacked input a
+    ``scan_slice`` (the stack -> one iteration's slice), the body's ops, then per carry a
+    ``scan_final`` (the body's carry out -> the scan's result) and per stacked output a
+    ``scan_stack``. They describe one iteration; the loop runs them ``length`` times.
+
+    Attributes:
+      index: which exposed scan of the graph (0, 1, ... in order).
+      length, reverse, unroll: the scan's own parameters.
+      carries: (carry-in tensor, carry-out tensor) per carry: one value across iterations.
+    """
+
+    index: int
+    length: int
+    reverse: bool = False
+    unroll: int = 1
+    carries: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
 class Op:
     """One operation of the graph.
 
@@ -78,6 +104,7 @@ class Op:
       flops: floating-point operations of one execution.
       kind: ``op`` (a primitive), ``call`` (a custom-derivative or remat call kept whole,
         ``body`` is its inner graph) or ``loop`` (a scan, ``body`` is one iteration).
+      loop: the exposed scan this op runs in (:class:`Loop`), None outside every scan.
     """
 
     id: int
@@ -90,6 +117,12 @@ class Op:
     kind: str = "op"
     eqn: Any = field(default=None, compare=False, repr=False)
     body: Graph | None = field(default=None, compare=False, repr=False)
+    loop: Loop | None = None
+
+    @property
+    def repeats(self) -> int:
+        """How many times the op runs per step: its scan's length, else 1."""
+        return 1 if self.loop is None else self.loop.length
 
     @functools.cached_property
     def tensor_inputs(self) -> tuple[int, ...]:
@@ -188,7 +221,7 @@ class Graph(Memoized):
             if self.tensors[t].role == "param":
                 return t
             op = self.producer(t)
-            if op is None or op.primitive not in views:
+            if op is None or op.primitive not in views and op.primitive != "scan_slice":
                 return None
             t = op.inputs[0]
         return None

@@ -13,6 +13,7 @@ from flax import nnx
 from jscaler.errors import TraceError
 from jscaler.ir.build import Builder
 from jscaler.ir.evaluate import evaluate
+from jscaler.ir.expose import expose_loops
 from jscaler.ir.extrema import two_level_extrema
 from jscaler.ir.graph import Graph
 from jscaler.ir.loops import refuse_dynamic_loops
@@ -242,8 +243,10 @@ def trace(
         for v, role, name in zip(closed.jaxpr.invars, roles, names, strict=True)
     ]
     outs = b.convert(closed.jaxpr, closed.consts, ins)
+    # a scan over stacked layers: its body's ops are planned like any layer's
+    graph = expose_loops(b.graph(ins, outs, sig))
     # fused q/k/v (gate/up) matmuls on their (parts, features) view: heads split cleanly
-    graph = unfuse_projections(b.graph(ins, outs, sig))
+    graph = unfuse_projections(graph)
     # a loss's max over the vocabulary in two levels: the logits can stay split
     graph = two_level_extrema(graph)
     refuse_dynamic_loops(graph)

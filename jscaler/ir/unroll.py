@@ -7,6 +7,8 @@ sees one layer per iteration.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
@@ -108,12 +110,8 @@ def _iteration_path(path: str, base: str) -> str:
 
 
 def _with_path(o: Op, path: str) -> Op:
-    return Op(
-        o.id, o.primitive, o.inputs, o.outputs, path, o.annotation, o.flops, o.kind, o.eqn, o.body
-    )
+    return dataclasses.replace(o, path=path)
 
 
 def _renumber(o: Op, new_id: int, inputs) -> Op:
-    return Op(
-        new_id, o.primitive, inputs, o.outputs, o.path, o.annotation, o.flops, o.kind, o.eqn, o.body
-    )
+    return dataclasses.replace(o, id=new_id, inputs=inputs)

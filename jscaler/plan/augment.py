@@ -14,6 +14,7 @@ Their ids follow the forward ops' in a fixed order, so a plan's JSON names them 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -109,15 +110,29 @@ def augment(base: Graph, identities: tuple[int, ...]) -> PlanGraph:
         producer = next((o for o in ops if t in o.outputs), None) if not consumers else None
         # named after its first consumer: a stored parameter is gathered for that module
         path = ops[consumers[0]].path if consumers else producer.path if producer else ""
+        loop = None
+        if consumers:
+            made = next((o for o in ops if t in o.outputs), None)
+            at, loop = _placement(ops, consumers[0], made is not None and made.loop is not None)
+        elif producer is not None:
+            loop = producer.loop
         ident = Op(
-            next_op, "identity", (t,), (new.id,), path, _bound(src.shape, 1), 0.0, "identity"
+            next_op,
+            "identity",
+            (t,),
+            (new.id,),
+            path,
+            _bound(src.shape, 1),
+            0.0,
+            "identity",
+            loop=loop,
         )
         identity_of[t] = next_op
         next_op += 1
         for i in consumers:
             ops[i] = _rewire(ops[i], t, new.id)
         if consumers:
-            before.setdefault(consumers[0], []).append(ident)
+            before.setdefault(at, []).append(ident)
         else:
             tail.append(ident)
         outputs = [new.id if (not isinstance(x, Literal) and x == t) else x for x in outputs]
@@ -128,6 +143,17 @@ def augment(base: Graph, identities: tuple[int, ...]) -> PlanGraph:
 
 def _rewire(o: Op, old: int, new: int) -> Op:
     inputs = tuple(new if (not isinstance(x, Literal) and x == old) else x for x in o.inputs)
-    return Op(
-        o.id, o.primitive, inputs, o.outputs, o.path, o.annotation, o.flops, o.kind, o.eqn, o.body
-    )
+    return dataclasses.replace(o, inputs=inputs)
+
+
+def _placement(ops: list[Op], first: int, made_inside: bool) -> tuple[int, object]:
+    """(position before which an identity for a tensor first read by ``ops[first]`` goes,
+    the Loop it runs in): next to that consumer, unless the consumer runs in an exposed
+    scan and the tensor comes from outside it (a stacked parameter): then before the whole
+    scan, outside it."""
+    loop = ops[first].loop
+    if loop is None or made_inside:
+        return first, loop
+    while first > 0 and ops[first - 1].loop is loop:
+        first -= 1
+    return first, None
