@@ -99,6 +99,18 @@ def _build() -> dict[str, ModelSpec]:
     specs = [
         gpt_spec("gpt-tiny", gpt.tiny(), 8, "Llama-style decoder for tests"),
         gpt_spec("gpt-small", gpt.small(), 16, "Llama-style decoder for benchmarks"),
+        gpt_spec(
+            "gpt-tiny-scan",
+            gpt.tiny().replace(scan_layers=True),
+            8,
+            "gpt-tiny with its blocks stacked and run by nnx.scan",
+        ),
+        gpt_spec(
+            "gpt-tiny-scan-remat",
+            gpt.tiny().replace(scan_layers=True, remat=True),
+            8,
+            "gpt-tiny-scan with nnx.remat around each block inside the scan",
+        ),
         gpt_spec("gpt-1.3b", gpt.gpt_1_3b(), 8, "Llama-style decoder, GPT-3 XL shape"),
         gpt_spec("llama-7b", gpt.llama_7b(), 8, "Llama-7B shape"),
         gpt_spec("llama-13b", gpt.llama_13b(), 8, "Llama-13B shape"),

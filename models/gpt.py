@@ -57,6 +57,11 @@ class GPTConfig:
             default): their parameters', so a ``precision="bf16"`` plan, which traces the
             step with bf16 parameters, computes them in bf16.
         param_dtype: Storage dtype of the parameters.
+        scan_layers: Stack the blocks (every parameter gets a leading layer axis, made by
+            ``nnx.vmap`` under ``nnx.split_rngs``) and run them with ``nnx.scan``, as
+            MaxText's ``scan_layers`` does; False (the default): a list of blocks.
+        remat: Wrap each block's call in ``nnx.remat`` (its activations are recomputed in
+            the backward pass), inside the scan when ``scan_layers``.
     """
 
     vocab_size: int
@@ -70,6 +75,8 @@ class GPTConfig:
     dropout: float = 0.0
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    scan_layers: bool = False
+    remat: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
@@ -241,15 +248,41 @@ class GPT(nnx.Module):
         # nnx.Embed fixes a None dtype to its parameter's at construction (float32); None
         # lets it follow the parameter as traced (bf16 under a bf16 plan), as nnx.Linear does
         self.embed.dtype = cfg.dtype
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        if cfg.scan_layers:
+
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
+
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm_f = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype)
         self.lm_head = _linear(cfg, cfg.d_model, cfg.vocab_size, rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Maps ``tokens[batch, seq]`` (int32) to ``logits[batch, seq, vocab]``."""
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
+
+        def run(block: Block, x: jax.Array) -> jax.Array:
+            return block(x)
+
+        if self.cfg.remat:
+            run = nnx.remat(run)
+        if self.cfg.scan_layers:
+            # dropout draws its own random bits in each layer: the Rngs state is split
+            # across the layers like the parameters
+            axes = nnx.StateAxes({nnx.RngState: 0, ...: 0})
+
+            @nnx.scan(in_axes=(nnx.Carry, axes), out_axes=nnx.Carry)
+            def layers(x: jax.Array, block: Block) -> jax.Array:
+                return run(block, x)
+
+            x = layers(x, self.blocks)
+        else:
+            for block in self.blocks:
+                x = run(block, x)
         return self.lm_head(self.norm_f(x))
 
 

@@ -29,6 +29,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 import jscaler
+from jscaler.ir import LOOP_PRIMITIVES
 from jscaler.plan import (
     DimClasses,
     MeshSpec,
@@ -131,7 +132,8 @@ def tp_regions(classes: DimClasses, seeds, pieces: int):
     """``(ops, seed)`` per tensor-parallel region: the ops carrying a seeded class (an
     attention's heads, an MLP's hidden features; ``seeds`` from :func:`tp_seeds`), when
     every one of them cuts into ``pieces``. The embedding's vocabulary class is not a
-    region."""
+    region, nor are a scan's boundary ops (a stacked weight's slice is read by the region,
+    inside the scan's body)."""
     for seed in seeds:
         dims = list(classes.op_dims(classes.of(*seed)))
         if any(op.annotation.sizes[d] % pieces for op, d in dims):
@@ -139,7 +141,7 @@ def tp_regions(classes: DimClasses, seeds, pieces: int):
         # the vocabulary class (a lookup's indexed axis) is not a region; a gather that
         # keeps the class whole per index (a relative-position bias table's heads) is
         if not any(op.primitive == "gather" and op.annotation.kinds[d] == "+" for op, d in dims):
-            yield [op for op, _ in dims], seed
+            yield [op for op, _ in dims if op.primitive not in LOOP_PRIMITIVES], seed
 
 
 def _closed_by_a_weight_op(graph, classes: DimClasses, seed) -> bool:
@@ -147,12 +149,11 @@ def _closed_by_a_weight_op(graph, classes: DimClasses, seed) -> bool:
     attention's output projection, an MLP's down projection): a region then ends with one
     reduction. A class the loss consumes instead (the LM head's vocabulary, cut by a
     label lookup between its reductions) stays with XLA."""
-    params = {t.id for t in graph.params()}
     for op, d in classes.op_dims(classes.of(*seed)):
         if (
             op.primitive in ("dot_general", "conv_general_dilated")
             and op.annotation.kinds[d] == "+"
-            and any(t in params for t in op.tensor_inputs)
+            and any(graph.param_behind(t, ()) is not None for t in op.tensor_inputs)
         ):
             return True
     return False

@@ -295,6 +295,7 @@ def loop_residuals(low, g, saved, sizes) -> tuple[dict, float]:
     saved values take while its backward runs). A stacked parameter's slice is the stack
     itself, and ZeRO-3's gathered weights are gathered again (not kept)."""
     needs = needs_grad(g)
+    rerun = recompute_groups(low.plan)  # a recomputed body keeps its inputs alone
     kept: dict = {}
     iteration: dict = {}
     producer_layout = {
@@ -310,9 +311,11 @@ def loop_residuals(low, g, saved, sizes) -> tuple[dict, float]:
             b = local_bytes(g, t, lay.reduced if lay.partial else lay, sizes)
             if t in saved:
                 iteration[o.loop] = iteration.get(o.loop, 0.0) + b
-            if o.primitive == "scan_carry" or o.primitive in CONTRACTIONS and t in needs:
+            if o.primitive == "scan_carry" or (
+                o.primitive in CONTRACTIONS and t in needs and o.id not in rerun
+            ):
                 kept[t] = n * b
-        if o.kind == "identity" or o.primitive == "scan_carry":
+        if o.kind == "identity" or o.primitive == "scan_carry" or o.id in rerun:
             continue
         for x, lay in zip(o.inputs, lays.inputs):
             if isinstance(x, Literal) or x not in needs or producer_layout.get(x) in (None, lay):

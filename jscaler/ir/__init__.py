@@ -18,7 +18,9 @@ from jscaler.ir.evaluate import evaluate as evaluate
 from jscaler.ir.graph import Coverage as Coverage
 from jscaler.ir.graph import Graph as Graph
 from jscaler.ir.graph import Layer as Layer
+from jscaler.ir.graph import LOOP_PRIMITIVES as LOOP_PRIMITIVES
 from jscaler.ir.graph import Literal as Literal
+from jscaler.ir.graph import Loop as Loop
 from jscaler.ir.graph import Op as Op
 from jscaler.ir.graph import Tensor as Tensor
 from jscaler.ir.registry import register_op as register_op

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 
 from jscaler.ir.expose import loop_groups, run_loop
-from jscaler.ir.graph import Graph, Literal
+from jscaler.ir.graph import LOOP_PRIMITIVES, Graph, Literal
 
 __all__ = ["evaluate"]
 
@@ -35,7 +35,9 @@ def evaluate(graph: Graph, *flat_inputs) -> list:
 
 def _run(ops, env: dict, inside) -> None:
     for loop, group in loop_groups(ops, inside):
-        if loop is not None:  # an exposed scan runs as a scan
+        # an exposed scan runs as a scan; some of its body's ops alone (a constant they
+        # compute) run as they are
+        if loop is not None and any(o.primitive in LOOP_PRIMITIVES for o in group):
             run_loop(group, env, lambda body, local, loop=loop: _run(body, local, loop))
             continue
         for op in group:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
 
 from jscaler.errors import PlanError, SplitError
-from jscaler.ir.graph import Graph, Op
+from jscaler.ir.graph import LOOP_PRIMITIVES, Graph, Layer, Op
 from jscaler.plan.classes import DimClasses
 from jscaler.plan.mesh import MeshSpec
 from jscaler.plan.plan import Node, Plan, SubOp
@@ -159,7 +159,9 @@ def assign_mesh(plan: Plan, levels: Sequence[str], *, ops: Iterable[Op] | None =
 
 def recompute_layers(plan: Plan, fraction) -> Plan:
     """Selective activation checkpointing: recompute a fraction of the repeated layers,
-    evenly spread (1/2: every other layer, the second of each pair; 1: all of them)."""
+    evenly spread (1/2: every other layer, the second of each pair; 1: all of them). The
+    layers stacked under an exposed scan are one decision: any fraction above 0 recomputes
+    every iteration of its body."""
     layers = recomputed_layers(plan.graph, fraction)
     if not layers:
         return plan
@@ -179,12 +181,27 @@ def recomputed_layers(graph: Graph, fraction) -> list:
     if p == 0:
         return []
     layers = graph.layers()
-    if not layers:
+    scanned = _scanned_layers(graph)
+    if not layers and not scanned:
         raise PlanError(
             f"recompute={fraction}: the graph has no repeated layers (module lists such as "
-            f"blocks/0, blocks/1, ...) to checkpoint"
+            f"blocks/0, blocks/1, ..., or layers stacked under a scan) to checkpoint"
         )
-    return [lay for i, lay in enumerate(layers) if math.floor((i + 1) * p) > math.floor(i * p)]
+    chosen = [lay for i, lay in enumerate(layers) if math.floor((i + 1) * p) > math.floor(i * p)]
+    return chosen + scanned
+
+
+def _scanned_layers(graph: Graph) -> list[Layer]:
+    """One Layer per exposed scan: its body, which a plan recomputes for every iteration
+    or for none (one scan runs one program per iteration)."""
+    bodies: dict = {}
+    for o in graph.ops:
+        if o.loop is not None and o.primitive not in LOOP_PRIMITIVES:
+            bodies.setdefault(o.loop, []).append(o)
+    return [
+        Layer(f"scan {loop.index} (x{loop.length})", loop.index, graph.subgraph(ops))
+        for loop, ops in bodies.items()
+    ]
 
 
 def data_parallel(graph: Graph, n_devices: int) -> Plan:
