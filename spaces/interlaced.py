@@ -39,6 +39,7 @@ class Interlaced:
                 f"interlaced(pp={self.pp}) needs a device count divisible by pp; got {n_devices}"
             )
         size = n_devices // self.pp
+        graph = jscaler.ir.chunk_loops(graph, self.pp)  # a scanned stack: a scan per chunk
         inner = megatron(
             tp=self.tp, dp=self.dp, precision=self.precision, recompute=self.recompute
         )(graph, size)

@@ -238,6 +238,8 @@ def pipeline(graph: jscaler.Graph, inner, pp: int, n_devices: int) -> jscaler.Pi
     """``pp`` groups of consecutive devices, each running its stages under ``inner``
     (the same plan on every group's own devices)."""
     size = n_devices // pp
+    # layers stacked under a scan are cut along their layer axis, a scan per chunk
+    graph = jscaler.ir.chunk_loops(graph, pp)
     plan = inner(graph, size)
     groups = [jscaler.StageGroup(tuple(range(k * size, (k + 1) * size)), plan) for k in range(pp)]
     name = plan.name[:-1] + f", pp={pp})" if plan.name.endswith(")") else f"{plan.name} pp={pp}"

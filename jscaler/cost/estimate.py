@@ -209,8 +209,9 @@ def flops_of(g, needs, recomputed, ops=None) -> tuple[float, float]:
     factors = _backward_factors(g, needs)
     for op in ops if ops is not None else g.ops:
         factor = factors[op.id]
-        model += op.flops * (1 + factor)
-        hardware += op.flops * (1 + factor + (1.0 if op.id in recomputed and factor else 0.0))
+        flops = op.flops * op.repeats
+        model += flops * (1 + factor)
+        hardware += flops * (1 + factor + (1.0 if op.id in recomputed and factor else 0.0))
     return model, hardware
 
 
@@ -261,6 +262,7 @@ def _device_times(plan: Plan, cl: Cluster, dtype: str, needs, recomputed, expert
         launch = launched[op.id] * cl.kernel_seconds  # per piece: each is a kernel
         for dev, share in per:
             t = _piece_seconds(op, share, nbytes, roofs[op.id], cl.memory_bandwidth) + launch
+            t *= op.repeats  # an op in a scan's body runs once per iteration
             f[dev] = f.get(dev, 0.0) + t
             b[dev] = b.get(dev, 0.0) + t * backward
         out[op.id] = (f, b)
@@ -294,7 +296,7 @@ def roofline_seconds(g, cluster: str | Cluster, dtype: str, recomputed=frozenset
     for op in g.ops:
         t = _piece_seconds(op, 1.0, scale * moved[op.id], roofs[op.id], cl.memory_bandwidth)
         t += launched[op.id] * cl.kernel_seconds
-        total += t * (1.0 + _backward_multiple(op, needs, recomputed))
+        total += t * op.repeats * (1.0 + _backward_multiple(op, needs, recomputed))
     return total
 
 

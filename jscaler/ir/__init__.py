@@ -14,11 +14,12 @@ from jscaler.ir import (  # noqa: F401  (registers the rules)
 )
 from jscaler.ir.annotation import Annotation as Annotation
 from jscaler.ir.check import check_annotations as check_annotations
+from jscaler.ir.chunk import chunk_loops as chunk_loops
 from jscaler.ir.evaluate import evaluate as evaluate
+from jscaler.ir.graph import LOOP_PRIMITIVES as LOOP_PRIMITIVES
 from jscaler.ir.graph import Coverage as Coverage
 from jscaler.ir.graph import Graph as Graph
 from jscaler.ir.graph import Layer as Layer
-from jscaler.ir.graph import LOOP_PRIMITIVES as LOOP_PRIMITIVES
 from jscaler.ir.graph import Literal as Literal
 from jscaler.ir.graph import Loop as Loop
 from jscaler.ir.graph import Op as Op

@@ -32,7 +32,7 @@ from jscaler.ir.annotation import Annotation
 from jscaler.ir.control import scan_layout
 from jscaler.ir.graph import LOOP_PRIMITIVES, Graph, Literal, Loop, Op, Tensor
 
-__all__ = ["expose_loops", "loop_groups", "run_loop"]
+__all__ = ["expose_loops", "loop_groups", "run_loop", "stack_annotation"]
 
 _VIEWS = ("convert_element_type", "copy", "transpose", "reshape")
 
@@ -119,7 +119,11 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
         out.append(boundary("scan_carry", op.inputs[n_c + k], c, _same(rank)))
     for j, x in enumerate(x_in):
         rank = len(tensors[x].shape)
-        out.append(boundary("scan_slice", op.inputs[n_c + n_carry + j], x, _stacked(rank, True)))
+        out.append(
+            boundary(
+                "scan_slice", op.inputs[n_c + n_carry + j], x, stack_annotation(rank, slicing=True)
+            )
+        )
     for o in body.ops:
         ins = tuple(outer(x) for x in o.inputs)
         outs = tuple(outer(x) for x in o.outputs)
@@ -131,7 +135,7 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
         y = outer(body.outputs[n_carry + j])
         stacked = op.outputs[n_carry + j]
         rank = len(tensors[stacked].shape) - 1
-        out.append(boundary("scan_stack", y, stacked, _stacked(rank, False)))
+        out.append(boundary("scan_stack", y, stacked, stack_annotation(rank, slicing=False)))
     return out
 
 
@@ -144,7 +148,10 @@ def _same(rank: int) -> str:
     return f"{dims} -> {dims}"
 
 
-def _stacked(rank: int, slicing: bool) -> str:
+def stack_annotation(rank: int, slicing: bool) -> str:
+    """The annotation text of a ``scan_slice`` (``slicing``: stack -> one iteration's
+    slice) or a ``scan_stack`` (one iteration's output -> the stack) of a rank-``rank``
+    slice; the layer axis ``z`` is not split."""
     one = _names(rank) or "()"
     stack = f"z^ {_names(rank)}".strip()
     return f"{stack} -> {one}" if slicing else f"{one} -> {stack}"

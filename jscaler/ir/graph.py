@@ -206,7 +206,8 @@ class Graph(Memoized):
 
     @property
     def flops(self) -> float:
-        return float(sum(o.flops for o in self.ops))
+        """FLOPs of one forward pass (an exposed scan's body counted once per iteration)."""
+        return float(sum(o.flops * o.repeats for o in self.ops))
 
     def params(self) -> tuple[Tensor, ...]:
         """The trained parameters among the inputs, in input order."""
@@ -214,14 +215,16 @@ class Graph(Memoized):
 
     def param_behind(self, t, views) -> int | None:
         """The parameter tensor ``t`` is, through at most three ops whose primitives are in
-        ``views`` (a weight's casts and transposes before its matmul), or None."""
+        ``views`` (a weight's casts and transposes before its matmul) or that take one
+        layer's slice of a stacked parameter (an exposed scan's ``scan_slice``, a pipeline
+        chunk's ``scan_chunk``), or None."""
         for _ in range(4):
             if isinstance(t, Literal):
                 return None
             if self.tensors[t].role == "param":
                 return t
             op = self.producer(t)
-            if op is None or op.primitive not in views and op.primitive != "scan_slice":
+            if op is None or op.primitive not in (*views, "scan_slice", "scan_chunk"):
                 return None
             t = op.inputs[0]
         return None
@@ -369,7 +372,7 @@ class Graph(Memoized):
             return Coverage(1.0, 1.0)
         annotated = [o for o in self.ops if o.annotation is not None]
         total = self.flops
-        covered = sum(o.flops for o in annotated)
+        covered = sum(o.flops * o.repeats for o in annotated)
         return Coverage(len(annotated) / len(self.ops), covered / total if total else 1.0)
 
     def unannotated(self) -> tuple[Op, ...]:

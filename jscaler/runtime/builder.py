@@ -221,8 +221,16 @@ class Planner:
         )  # fmt: skip
         common = dict(batch_shapes=shapes, precision=self.precision, slots=self.slots)
         if plan.is_pipeline:
+            # the plan's own graph: the traced one, or its rewrite with layers stacked
+            # under a scan cut into one scan per stage (jscaler.ir.chunk_loops)
             return PipelineProgram(
-                graph, plan, ready.schedule, self.devices, self.optimizer, self.master, **common
+                plan.graph,
+                plan,
+                ready.schedule,
+                self.devices,
+                self.optimizer,
+                self.master,
+                **common,
             )
         return SpmdProgram(
             graph,

@@ -215,6 +215,7 @@ def build_stages(
         s, k = i % n, i // n
         g = low.plan.pgraph.graph
         _check_regions(low, ops, s)
+        _check_loops(low, ops, s)
         roles = {t: g.tensors[t].role for t in g.inputs}
         read = reads[i]
         mine = {t for o in ops for t in o.outputs}
@@ -279,6 +280,22 @@ def _check_regions(low: Lowered, ops: list[Op], s: int) -> None:
             raise PlanError(
                 f"the {region.kind} region starting at {op.where} is cut by the stage "
                 f"boundary after stage {s}; cut stages between regions (explicit cuts)"
+            )
+
+
+def _check_loops(low: Lowered, ops: list[Op], s: int) -> None:
+    """An exposed scan runs whole in one stage: cut between its chunks, not inside one."""
+    g = low.plan.pgraph.graph
+    ids = {o.id for o in ops}
+    for loop in {o.loop for o in ops if o.loop is not None}:
+        region = [x for x in g.ops if x.loop is loop]
+        if any(x.id not in ids for x in region):
+            chunks = len({x.loop for x in g.ops if x.loop is not None})
+            raise PlanError(
+                f"stage {s} holds part of one iteration of the scan at {region[0].where}: a "
+                f"stack of layers under a scan is cut into whole chunks ({chunks} here, each "
+                f"a scan over its share of the layers), so a schedule may have at most that "
+                f"many stages; use fewer stages per group (e.g. one_f_one_b) or fewer groups"
             )
 
 

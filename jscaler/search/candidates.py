@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.errors import PlanError
+from jscaler.ir.chunk import chunk_loops
 from jscaler.ir.graph import Graph
 from jscaler.plan.helpers import data_parallel
 from jscaler.plan.pipeline import PipelinePlan, StageGroup
@@ -127,6 +128,7 @@ class StagedILP:
     cache: bool = True
 
     def __call__(self, graph: Graph, n_devices: int) -> PipelinePlan:
+        graph = chunk_loops(graph, self.pp)  # a scanned stack: a scan per chunk of layers
         if n_devices % self.pp or len(graph.layers()) < self.pp:
             raise PlanError(
                 f"a {self.pp}-stage pipeline needs a device count divisible by {self.pp} and "

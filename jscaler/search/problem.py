@@ -287,6 +287,17 @@ def build_problem(
         return collective_time(kind, b, group(axes), cl, algorithm, latency=not combined)
 
     def node_cost(op: Op, s: Strategy, zero: bool = False) -> tuple[float, ...]:
+        """:func:`node_once`, for an op in a scan's body once per iteration: its time,
+        and the activations it keeps (at most: the body keeps its matmuls' outputs)."""
+        costs = node_once(op, s, zero)
+        n = op.repeats
+        if n == 1 or op.primitive in ("scan_slice", "scan_carry"):
+            return costs
+        t, grads, back, mem_kept, held_kept, kept, cot = costs
+        extra = (n - 1) * kept
+        return t * n, grads, back * n, mem_kept + extra, held_kept - extra, kept + extra, cot
+
+    def node_once(op: Op, s: Strategy, zero: bool = False) -> tuple[float, ...]:
         """(seconds exposed, seconds of parameter-gradient reduction, backward seconds,
         bytes kept, bytes at the gradient reduction beyond the kept ones, activation
         bytes kept, bytes of its cotangents in the backward); ``zero``: the
@@ -409,7 +420,7 @@ def build_problem(
         dims = None if ann is None else (ann.inputs, ann.outputs, tuple(sorted(ann.kinds.items())))
         return (
             op.primitive, op.flops, roofs[op.id], op.id in recomputed, op.id in holding,
-            dims, ins, outs, moved,
+            dims, ins, outs, moved, op.repeats,
         )  # fmt: skip
 
     costed: dict[tuple, tuple[float, ...]] = {}
