@@ -39,7 +39,7 @@ from jscaler.compile.reshard import loop_regathers, reshard_units, run_resharded
 from jscaler.compile.segment import Segment
 from jscaler.errors import LayoutError
 from jscaler.ir.expose import loop_groups, run_loop
-from jscaler.ir.graph import Literal, Loop, Op
+from jscaler.ir.graph import LOOP_PRIMITIVES, Literal, Loop, Op
 from jscaler.ir.memo import Memoized
 from jscaler.ir.rules_elementwise import PLACEMENT
 from jscaler.plan.pieces import device_pieces
@@ -324,7 +324,10 @@ def _run_loop(low: Lowered, ops: list[Op], env: dict, have: dict) -> None:
     # inside the body nothing else is re-laid: a slice inherits its stack's layout (a
     # constraint on it would make the backward keep a copy of every layer's weights), and
     # so does a stacked output its slices'
-    run_loop(ops, env, body, enter, carry, leave, loop_saves)
+    # a body the user checkpointed whole runs under their policy alone (its segment)
+    inner = [o for o in ops if o.primitive not in LOOP_PRIMITIVES]
+    policy = None if all(o.remat is not None for o in inner) else loop_saves
+    run_loop(ops, env, body, enter, carry, leave, policy)
     for o in ops:
         if o.primitive in ("scan_final", "scan_stack"):
             have[o.outputs[0]] = lay(o, 1)
@@ -335,9 +338,9 @@ def _run_plain(low: Lowered, ops, env: dict, have: dict) -> None:
     done: set[int] = set()
     units = reshard_units(low, ops)
     in_units = {o.id for unit in units.values() for o in unit}
-    for recompute, seg in _segments(low.plan, ops):
-        if recompute:
-            _run_checkpointed(low, seg, env, have)
+    for policy, seg in _segments(low.plan, ops):
+        if policy is not False:  # a recompute group, or a user's checkpoint in a scan
+            _run_checkpointed(low, seg, env, have, policy)
             continue
         for op in seg:
             if op.id in units:
@@ -372,24 +375,31 @@ def _run_prefetch(low: Lowered, pre: Prefetch, env, have, done: set[int]) -> Non
 
 
 def _segments(plan: Plan, ops):
-    """Consecutive runs of ops, grouped by recompute group (None: not recomputed)."""
+    """Consecutive runs of ops, grouped by recompute group, else by the user checkpoint
+    they ran under in a scan's body: ``(checkpoint policy or None, ops)``; (False, ops)
+    for a run that is not rematerialised."""
     group_of = {}
     for i, grp in enumerate(plan.recompute):
         for op_id in grp:
             group_of[op_id] = i
-    out: list[tuple[int | None, list[Op]]] = []
+    out: list[tuple[object, list[Op]]] = []
     for op in ops:
         grp = group_of.get(op.id)
-        if out and out[-1][0] == grp:
+        key = ("plan", grp) if grp is not None else ("user", op.remat) if op.remat else None
+        if out and out[-1][0] == key:
             out[-1][1].append(op)
         else:
-            out.append((grp, [op]))
-    return [(grp is not None, seg) for grp, seg in out]
+            out.append((key, [op]))
+    return [
+        (False if key is None else key[1].policy if key[0] == "user" else None, seg)
+        for key, seg in out
+    ]
 
 
-def _run_checkpointed(low: Lowered, ops, env, have):
+def _run_checkpointed(low: Lowered, ops, env, have, policy=None):
     seg = Segment(low, ops, have, _run_op)
-    outs = jax.checkpoint(lambda *vals: seg(vals))(*[env[t] for t in seg.needed])
+    run = jax.checkpoint(lambda *vals: seg(vals), policy=policy)
+    outs = run(*[env[t] for t in seg.needed])
     seg.store(outs, env, have)
 
 

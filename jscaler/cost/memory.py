@@ -212,7 +212,8 @@ def _activation_tensors(graph, views: bool) -> frozenset[int]:
 
 def recompute_groups(plan: Plan) -> dict[int, object]:
     """op id -> the outermost recomputed unit it belongs to: a recomputed group (its index),
-    else a coshard region (each colocated piece is recomputed)."""
+    else a coshard region (each colocated piece is recomputed), else a user's checkpoint
+    in a scan's body (its policy is taken as saving nothing)."""
     out: dict[int, object] = {}
     for k, grp in enumerate(plan.recompute):
         for o in grp:
@@ -221,6 +222,9 @@ def recompute_groups(plan: Plan) -> dict[int, object]:
         if r.kind == "coshard":
             for o in r.ops:
                 out.setdefault(o, ("coshard", j))
+    for o in plan.pgraph.graph.ops:  # a user's checkpoint inside a scan's body
+        if o.remat is not None:
+            out.setdefault(o.id, ("remat", o.loop.index, o.remat.index))
     return out
 
 

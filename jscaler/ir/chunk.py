@@ -116,7 +116,7 @@ def _chunked(graph: Graph, region: list[Op], parts: int, b: Builder, tensors, co
         counter[0] += 1
         last = i == len(sizes) - 1
         ends = []
-        for c, f, init in zip(carries, finals, carried):
+        for c, init in zip(carries, carried):
             out.append(_moved(c, (init,), (rename[c.outputs[0]],), path, base, chunk))
         for s, x in zip(slices, rows):
             out.append(_moved(s, (x,), (rename[s.outputs[0]],), path, base, chunk))

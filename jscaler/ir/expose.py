@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jscaler.ir.annotation import Annotation
 from jscaler.ir.control import scan_layout
-from jscaler.ir.graph import LOOP_PRIMITIVES, Graph, Literal, Loop, Op, Tensor
+from jscaler.ir.graph import LOOP_PRIMITIVES, Graph, Literal, Loop, Op, Remat, Tensor
 
 __all__ = ["expose_loops", "loop_groups", "run_loop", "stack_annotation"]
 
@@ -75,12 +75,14 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
     length = int(p["length"])
 
     def fresh(bt: int, role: str = "value") -> int:
-        src = body.tensors[bt]
+        src = known[bt]
         tid = counter[0]
         counter[0] += 1
         tensors[tid] = Tensor(tid, src.shape, src.dtype, role, src.name)
         return tid
 
+    ops, extra, extra_consts = _inlined(body)
+    known = {**body.tensors, **extra}
     rename: dict[int, int | Literal] = {}
     for k, t in enumerate(body.inputs[:n_c]):
         rename[t] = op.inputs[k]
@@ -88,7 +90,7 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
     rename.update(zip(body.inputs[n_c : n_c + n_carry], carry_in))
     x_in = [fresh(t) for t in body.inputs[n_c + n_carry :]]
     rename.update(zip(body.inputs[n_c + n_carry :], x_in))
-    for t, v in body.consts.items():
+    for t, v in (*body.consts.items(), *extra_consts.items()):
         rename[t] = fresh(t, "const")
         consts[rename[t]] = v
 
@@ -124,10 +126,10 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
                 "scan_slice", op.inputs[n_c + n_carry + j], x, stack_annotation(rank, slicing=True)
             )
         )
-    for o in body.ops:
+    for o, remat in ops:
         ins = tuple(outer(x) for x in o.inputs)
         outs = tuple(outer(x) for x in o.outputs)
-        out.append(dataclasses.replace(o, inputs=ins, outputs=outs, loop=loop))
+        out.append(dataclasses.replace(o, inputs=ins, outputs=outs, loop=loop, remat=remat))
     for k in range(n_carry):
         rank = len(tensors[op.outputs[k]].shape)
         out.append(boundary("scan_final", carry_out[k], op.outputs[k], _same(rank)))
@@ -137,6 +139,58 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
         rank = len(tensors[stacked].shape) - 1
         out.append(boundary("scan_stack", y, stacked, stack_annotation(rank, slicing=False)))
     return out
+
+
+def _inlined(body: Graph) -> tuple[list[tuple[Op, Remat | None]], dict, dict]:
+    """The body's ops with each user checkpoint (``remat2``) replaced by its own ops, each
+    marked with a :class:`Remat` carrying its policy: the plan sees inside it (a layer's
+    heads split under ``nnx.remat``), the lowering checkpoints them again. Returns the ops
+    and the tensors and constant values they add (a checkpoint's own values, renumbered
+    past the body's); a checkpoint's inputs and outputs become the call's."""
+    out: list[tuple[Op, Remat | None]] = []
+    tensors: dict[int, Tensor] = {}
+    consts: dict = {}
+    top = max(body.tensors, default=0) + 1
+    count = 0
+    for o in body.ops:
+        inner = o.body
+        if (
+            o.primitive != "remat2"
+            or inner is None
+            or any(p.primitive == "remat2" or p.annotation is None for p in inner.ops)
+            or not _outputs_made(inner)
+        ):
+            out.append((o, None))
+            continue
+        p = o.eqn.params
+        remat = Remat(count, p.get("policy"), bool(p.get("prevent_cse", True)))
+        count += 1
+        rename = dict(zip(inner.inputs, o.inputs))
+        rename.update(zip(inner.outputs, o.outputs))
+        for t, tensor in inner.tensors.items():
+            if t not in rename:
+                rename[t] = top
+                tensors[top] = dataclasses.replace(tensor, id=top)
+                if t in inner.consts:
+                    consts[top] = inner.consts[t]
+                top += 1
+
+        def moved(x, rename=rename):
+            return x if isinstance(x, Literal) else rename[x]
+
+        for q in inner.ops:
+            ins = tuple(moved(x) for x in q.inputs)
+            outs = tuple(moved(x) for x in q.outputs)
+            out.append((dataclasses.replace(q, inputs=ins, outputs=outs), remat))
+    return out, tensors, consts
+
+
+def _outputs_made(g: Graph) -> bool:
+    """Every output of ``g`` is made by one of its ops (none is an input or a literal)."""
+    made = {t for o in g.ops for t in o.outputs}
+    return len(set(g.outputs)) == len(g.outputs) and all(
+        not isinstance(t, Literal) and t in made for t in g.outputs
+    )
 
 
 def _names(rank: int) -> str:

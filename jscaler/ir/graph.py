@@ -22,7 +22,9 @@ from typing import Any
 from jscaler.ir.annotation import Annotation
 from jscaler.ir.memo import Memoized
 
-__all__ = ["LOOP_PRIMITIVES", "Coverage", "Graph", "Layer", "Literal", "Loop", "Op", "Tensor"]
+__all__ = [
+    "LOOP_PRIMITIVES", "Coverage", "Graph", "Layer", "Literal", "Loop", "Op", "Remat", "Tensor",
+]  # fmt: skip
 
 # the ops that join an exposed scan's body to the graph around it (jscaler.ir.expose)
 LOOP_PRIMITIVES = ("scan_carry", "scan_slice", "scan_final", "scan_stack")
@@ -91,6 +93,17 @@ class Loop:
 
 
 @dataclass(frozen=True)
+class Remat:
+    """A user's ``jax.checkpoint`` (``nnx.remat``, ``nn.remat``) whose ops an exposed scan's
+    body holds as its own: they run again in the backward, under the user's ``policy``
+    (None: nothing saved). ``index`` tells two checkpoints of one body apart."""
+
+    index: int
+    policy: Any = field(default=None, compare=False)
+    prevent_cse: bool = True
+
+
+@dataclass(frozen=True)
 class Op:
     """One operation of the graph.
 
@@ -105,6 +118,7 @@ class Op:
       kind: ``op`` (a primitive), ``call`` (a custom-derivative or remat call kept whole,
         ``body`` is its inner graph) or ``loop`` (a scan, ``body`` is one iteration).
       loop: the exposed scan this op runs in (:class:`Loop`), None outside every scan.
+      remat: the user's checkpoint the op runs under inside a scan's body (:class:`Remat`).
     """
 
     id: int
@@ -118,6 +132,7 @@ class Op:
     eqn: Any = field(default=None, compare=False, repr=False)
     body: Graph | None = field(default=None, compare=False, repr=False)
     loop: Loop | None = None
+    remat: Remat | None = None
 
     @property
     def repeats(self) -> int:
