@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jscaler.ir.graph import Graph, Literal, Op
+from jscaler.ir.graph import LOOP_PRIMITIVES, Graph, Literal, Op
 
 __all__ = ["graph_summary", "graph_table", "op_record"]
 
@@ -32,11 +32,13 @@ def op_record(graph: Graph, op: Op) -> dict:
         "inputs": [_shape(graph, x) for x in op.inputs],
         "outputs": [_shape(graph, x) for x in op.outputs],
         "flops": op.flops,
+        "runs": op.repeats,  # an exposed scan's body op: once per iteration
     }
 
 
 def graph_table(graph: Graph, *, width: int = 60) -> str:
-    """The graph as a table: id, module path, primitive, annotation, shapes, FLOPs."""
+    """The graph as a table: id, module path, primitive, annotation, shapes, FLOPs (of one
+    run; an op in a scan's body is marked ``xL`` after its primitive, ``L`` runs a step)."""
     rows = [("id", "module path", "primitive", "annotation", "shapes", "flops")]
     for op in graph.ops:
         ann = "UNANNOTATED" if op.annotation is None else str(op.annotation)
@@ -46,7 +48,7 @@ def graph_table(graph: Graph, *, width: int = 60) -> str:
             (
                 str(op.id),
                 op.path or "<root>",
-                op.primitive,
+                op.primitive + (f" x{op.repeats}" if op.loop is not None else ""),
                 _clip(ann, width),
                 shapes,
                 _flops(op.flops),
@@ -81,6 +83,18 @@ def graph_summary(graph: Graph) -> str:
         names = ", ".join(layer.name for layer in layers[:4])
         more = f", ... ({len(layers)} in all)" if len(layers) > 4 else ""
         lines.append(f"repeated layers: {names}{more}")
+    loops: dict = {}
+    for o in graph.ops:
+        if o.loop is not None:
+            loops.setdefault(o.loop, []).append(o)
+    for loop, ops in loops.items():
+        body = [o for o in ops if o.primitive not in LOOP_PRIMITIVES]
+        paths = sorted({o.path for o in body if o.path})
+        where = f" ({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''})" if paths else ""
+        lines.append(
+            f"scan {loop.index}: {loop.length} iterations of {len(body)} body ops{where}, "
+            f"planned as one layer"
+        )
     missing = graph.unannotated()
     if missing:
         lines.append("unannotated primitives: " + ", ".join(sorted({o.primitive for o in missing})))

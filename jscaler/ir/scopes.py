@@ -42,8 +42,16 @@ def module_scopes(model):
                 if "__call__" in cls.__dict__:
                     owners[cls] = cls.__dict__["__call__"]
                     break
-    previous = getattr(_active, "paths", None)
-    _active.paths = paths
+    # nnx.scan and nnx.vmap call copies of a stacked module rebuilt from its state: a
+    # module unknown by identity is named by its class, where one module has that class
+    # (the stacked ``blocks`` and its ``blocks/attn``)
+    by_class: dict[type, list[str]] = {}
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            by_class.setdefault(type(node), []).append(paths[id(node)])
+    single = {cls: ps[0] for cls, ps in by_class.items() if len(set(ps)) == 1}
+    previous = getattr(_active, "paths", None), getattr(_active, "classes", None)
+    _active.paths, _active.classes = paths, single
     try:
         for cls, call in owners.items():
             cls.__call__ = _scoped(call)
@@ -51,11 +59,18 @@ def module_scopes(model):
     finally:
         for cls, call in owners.items():
             cls.__call__ = call
-        _active.paths = previous
+        _active.paths, _active.classes = previous
+
+
+def _path_of(module) -> str | None:
+    found = (getattr(_active, "paths", None) or {}).get(id(module))
+    if found is None:
+        found = (getattr(_active, "classes", None) or {}).get(type(module))
+    return found
 
 
 def _scoped(call):
-    return _named_by(call, lambda module: (getattr(_active, "paths", None) or {}).get(id(module)))
+    return _named_by(call, _path_of)
 
 
 def _named_by(call, path_of):
