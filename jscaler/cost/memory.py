@@ -292,14 +292,16 @@ CONTRACTIONS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 def loop_residuals(low, g, saved, sizes) -> tuple[dict, float]:
     """What the backward keeps of the exposed scans (the lowering's ``loop_saves``): per
-    iteration, the carries it starts with, the matmuls' outputs a gradient flows through
-    and the inputs re-laid for an op (a layout conversion's result, so that no collective
-    runs twice); everything else is rerun from those while that iteration's backward
-    runs. Returns (key -> bytes kept over all iterations, the largest one iteration's
-    saved values take while its backward runs). A stacked parameter's slice is the stack
-    itself, and ZeRO-3's gathered weights are gathered again (not kept)."""
+    iteration, the carries it starts with and the values the backward's reads are rerun
+    from: walking back from each value the backward reads, the first matmul output (or a
+    collective's result, which a '+' matmul's is) or input re-laid for an op (a layout
+    conversion's result) met. Everything between is rerun while that iteration's backward
+    runs. Returns (key -> bytes kept over all iterations, the most that one iteration's
+    backward holds of the values it reads beyond the kept ones, rerun). A stacked parameter's slice is the stack
+    itself; ZeRO-3's gathered weights are gathered again where that saves memory, else
+    kept; a recomputed or user-checkpointed body keeps its carries alone."""
     needs = needs_grad(g)
-    rerun = recompute_groups(low.plan)  # a recomputed body keeps its inputs alone
+    rerun = recompute_groups(low.plan)
     kept: dict = {}
     iteration: dict = {}
     producer_layout = {
@@ -307,27 +309,61 @@ def loop_residuals(low, g, saved, sizes) -> tuple[dict, float]:
         for o in g.ops
         for t, lay in zip(o.outputs, low.ops[o.id].outputs)
     }
+
+    def size(t, lay):
+        return local_bytes(g, t, lay.reduced if lay.partial else lay, sizes)
+
+    def root(x, reader: Op, lay) -> bool:
+        """Keep ``x`` as ``reader`` reads it when it is re-laid for it; True if so."""
+        if producer_layout.get(x) in (None, lay):
+            return False
+        made = g.producer(x)
+        if made is None or made.kind != "identity" or not loop_regathers(low, reader.loop):
+            kept[(x, lay)] = reader.repeats * local_bytes(g, x, lay, sizes)
+        return True
+
+    def walk(t, seen):
+        """Keep the roots the value ``t`` (made in a scan's body) is rerun from."""
+        if t in seen:
+            return
+        seen.add(t)
+        o = g.producer(t)
+        if o is None or o.loop is None or o.id in rerun:
+            return
+        if o.primitive in ("scan_carry", "scan_slice") or o.kind == "identity":
+            return  # a carry (kept below), a weight's slice, a gathered weight
+        if o.primitive in CONTRACTIONS:
+            kept[t] = o.repeats * size(t, producer_layout[t])
+            return
+        for x, lay in zip(o.inputs, low.ops[o.id].inputs):
+            if not isinstance(x, Literal) and x in needs and not root(x, o, lay):
+                walk(x, seen)
+
+    seen: set = set()
+    read: dict = {}  # loop -> the values one iteration's backward reads
     for o in g.ops:
-        if o.loop is None or o.primitive in ("scan_final", "scan_stack", "scan_slice"):
+        if o.primitive == "scan_carry":
+            kept[o.outputs[0]] = o.repeats * size(o.outputs[0], low.ops[o.id].outputs[0])
+    reads, own = _backward_reads(g)
+    by_id = {o.id: o for o in g.ops}
+    pairs = [(t, by_id[r]) for t, _, r in reads] + [(t, by_id[i]) for i, outs in own for t in outs]
+    for t, reader in pairs:
+        if reader.loop is None or t not in producer_layout:
             continue
-        n, lays = o.repeats, low.ops[o.id]
-        for t, lay in zip(o.outputs, lays.outputs):
-            b = local_bytes(g, t, lay.reduced if lay.partial else lay, sizes)
-            if t in saved:
-                iteration[o.loop] = iteration.get(o.loop, 0.0) + b
-            if o.primitive == "scan_carry" or (
-                o.primitive in CONTRACTIONS and t in needs and o.id not in rerun
-            ):
-                kept[t] = n * b
-        if o.kind == "identity" or o.primitive == "scan_carry" or o.id in rerun:
+        made = g.producer(t)
+        if made is None or made.loop is None or made.primitive == "scan_slice":
             continue
-        for x, lay in zip(o.inputs, lays.inputs):
-            if isinstance(x, Literal) or x not in needs or producer_layout.get(x) in (None, lay):
-                continue
-            made = g.producer(x)
-            if made is not None and made.kind == "identity" and loop_regathers(low, o.loop):
-                continue  # gathered again
-            kept[(x, lay)] = n * local_bytes(g, x, lay, sizes)
+        k = reader.outputs.index(t) if t in reader.outputs else reader.inputs.index(t)
+        lays = low.ops[reader.id]
+        lay = lays.outputs[k] if t in reader.outputs else lays.inputs[k]
+        read.setdefault(reader.loop, {})[t] = size(t, lay)
+        if reader.id in rerun:  # rerun from the body's inputs: nothing kept for it
+            continue
+        if t in reader.outputs or not root(t, reader, lay):
+            walk(t, seen)
+    # while one iteration's backward runs, the values it reads that are not kept are rerun
+    for loop, values in read.items():
+        iteration[loop] = sum(b for t, b in values.items() if t not in kept)
     return kept, max(iteration.values(), default=0.0)
 
 

@@ -81,7 +81,7 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
         tensors[tid] = Tensor(tid, src.shape, src.dtype, role, src.name)
         return tid
 
-    ops, extra, extra_consts = _inlined(body)
+    ops, extra, extra_consts, aliases = _inlined(body)
     known = {**body.tensors, **extra}
     rename: dict[int, int | Literal] = {}
     for k, t in enumerate(body.inputs[:n_c]):
@@ -98,7 +98,7 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
         if isinstance(t, Literal):
             return t
         if t not in rename:
-            rename[t] = fresh(t)
+            rename[t] = outer(aliases[t]) if t in aliases else fresh(t)
         return rename[t]
 
     carry_out = [outer(t) for t in body.outputs[:n_carry]]
@@ -141,15 +141,17 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
     return out
 
 
-def _inlined(body: Graph) -> tuple[list[tuple[Op, Remat | None]], dict, dict]:
+def _inlined(body: Graph) -> tuple[list[tuple[Op, Remat | None]], dict, dict, dict]:
     """The body's ops with each user checkpoint (``remat2``) replaced by its own ops, each
     marked with a :class:`Remat` carrying its policy: the plan sees inside it (a layer's
     heads split under ``nnx.remat``), the lowering checkpoints them again. Returns the ops
     and the tensors and constant values they add (a checkpoint's own values, renumbered
-    past the body's); a checkpoint's inputs and outputs become the call's."""
+    past the body's), and the call outputs that are one of its inputs passed through (->
+    that operand); a checkpoint's inputs and outputs become the call's."""
     out: list[tuple[Op, Remat | None]] = []
     tensors: dict[int, Tensor] = {}
     consts: dict = {}
+    aliases: dict = {}  # a checkpoint's output that is one of its inputs -> that input
     top = max(body.tensors, default=0) + 1
     count = 0
     for o in body.ops:
@@ -158,7 +160,7 @@ def _inlined(body: Graph) -> tuple[list[tuple[Op, Remat | None]], dict, dict]:
             o.primitive != "remat2"
             or inner is None
             or any(p.primitive == "remat2" or p.annotation is None for p in inner.ops)
-            or not _outputs_made(inner)
+            or any(isinstance(t, Literal) for t in inner.outputs)
         ):
             out.append((o, None))
             continue
@@ -166,7 +168,12 @@ def _inlined(body: Graph) -> tuple[list[tuple[Op, Remat | None]], dict, dict]:
         remat = Remat(count, p.get("policy"), bool(p.get("prevent_cse", True)))
         count += 1
         rename = dict(zip(inner.inputs, o.inputs))
-        rename.update(zip(inner.outputs, o.outputs))
+        made = {t for q in inner.ops for t in q.outputs}
+        for t, y in zip(inner.outputs, o.outputs):
+            if t in made and t not in rename:
+                rename[t] = y
+            else:  # an input passed through (nnx.remat returns the module's state)
+                aliases[y] = rename[t]
         for t, tensor in inner.tensors.items():
             if t not in rename:
                 rename[t] = top
@@ -182,15 +189,7 @@ def _inlined(body: Graph) -> tuple[list[tuple[Op, Remat | None]], dict, dict]:
             ins = tuple(moved(x) for x in q.inputs)
             outs = tuple(moved(x) for x in q.outputs)
             out.append((dataclasses.replace(q, inputs=ins, outputs=outs), remat))
-    return out, tensors, consts
-
-
-def _outputs_made(g: Graph) -> bool:
-    """Every output of ``g`` is made by one of its ops (none is an input or a literal)."""
-    made = {t for o in g.ops for t in o.outputs}
-    return len(set(g.outputs)) == len(g.outputs) and all(
-        not isinstance(t, Literal) and t in made for t in g.outputs
-    )
+    return out, tensors, consts, aliases
 
 
 def _names(rank: int) -> str:
