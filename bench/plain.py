@@ -134,7 +134,7 @@ def _static(side: Side, runner, batch, mesh_axes) -> None:
     side.comm = summarize(collectives(compiled.as_text(), mesh_axes))
 
 
-def _plain(side: Side, bm: BenchModel, kind: str, opt, n: int):
+def plain_side(side: Side, bm: BenchModel, kind: str, opt, n: int):
     try:
         params, loss = bm.plain()
         runner = BASELINES[kind](params, loss, opt, bm.batch, n, bm.rules)
@@ -145,7 +145,7 @@ def _plain(side: Side, bm: BenchModel, kind: str, opt, n: int):
         return None
 
 
-def _jscaler(side: Side, bm: BenchModel, plan, opt, n: int):
+def jscaler_side(side: Side, bm: BenchModel, plan, opt, n: int):
     import jscaler
 
     try:
@@ -187,9 +187,9 @@ def _interleave(sides: list[tuple[Side, object]], batch, steps: int) -> None:
 
 def measure_pair(bm: BenchModel, key, kind, name, plan, opt, n: int, steps: int) -> Pair:
     plain = Side(label(kind, n))
-    p_runner = _plain(plain, bm, kind, opt, n)
+    p_runner = plain_side(plain, bm, kind, opt, n)
     js = Side(name)
-    j_runner = _jscaler(js, bm, plan, opt, n)
+    j_runner = jscaler_side(js, bm, plan, opt, n)
     _interleave([(s, r) for s, r in ((plain, p_runner), (js, j_runner)) if r], bm.batch, steps)
     del p_runner, j_runner
     jax.clear_caches()

@@ -65,6 +65,7 @@ def test_registry_names():
     expected = {"gpt-tiny", "gpt-small", "gpt-1.3b", "llama-7b", "llama-13b"} | set(TINY)
     expected |= {"swin-tiny", "swin-bench", "t5-tiny", "alphafold2-tiny", "mixtral-8x7b"}
     expected |= {"moe-tiny", "moe-tiny-dropless", "moe-small", "moe-small-dropless"}
+    expected |= {"gpt-tiny-scan", "gpt-tiny-scan-remat"}
     assert set(models.names()) == expected
     for name in models.names():
         spec = models.get(name)

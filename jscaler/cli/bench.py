@@ -20,7 +20,9 @@ def register(sub) -> None:
         "'order' times the op-order search with and without order rules; 'calibrate' "
         "holds the simulated Megatron-LM baseline to published throughput; 'paper' "
         "reproduces nnScaler's end-to-end table (SIMULATED); 'gpu' holds the cost model's "
-        "step time and memory to one local accelerator",
+        "step time and memory to one local accelerator; 'scan' puts a Llama with its "
+        "layers stacked under jax.lax.scan beside its list twin and plain JAX under every "
+        "plan",
         description="Run a benchmark and print its table. 'spmd': for one model on N "
         "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
         "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
@@ -51,7 +53,11 @@ def register(sub) -> None:
         "dp() against plain dp, expert(ep=4), expert(ep=2) "
         "and expert(ep=4, tp=2) against plain JAX with the experts split by name rules over "
         "an expert axis (dp=2 x ep=4), and the target: the best expert plan's collective "
-        "bytes <= 0.8x the plain rules' at no more memory.",
+        "bytes <= 0.8x the plain rules' at no more memory. 'scan': a plain-JAX Llama (GQA, "
+        "SwiGLU, RoPE) written with its layers in a list and stacked under jax.lax.scan "
+        "(--small shrinks it), per plan: both per-device memories and collective bytes "
+        "(a loop's collectives once per iteration), the plain-JAX layout on the scanned "
+        "model, the cost model's errors, and the targets.",
     )
     be.add_argument(
         "which",
@@ -66,6 +72,7 @@ def register(sub) -> None:
             "paper",
             "moe",
             "gpu",
+            "scan",
         ],
         help="the benchmark",
     )
@@ -85,7 +92,7 @@ def register(sub) -> None:
     be.add_argument(
         "--small",
         action="store_true",
-        help="plain, moe: tiny configs of the models (a quick run)",
+        help="plain, moe, scan: tiny configs of the models (a quick run)",
     )
     be.add_argument("--pp", type=positive_int, default=4, help="pipeline: stages (default 4)")
     be.add_argument(
@@ -119,7 +126,7 @@ def _bench(args) -> int:
         return _bench_coshard(args)
     if args.which == "cost":
         return _bench_cost(args)
-    if args.which in ("calibrate", "order", "paper", "plain", "moe", "gpu"):
+    if args.which in ("calibrate", "order", "paper", "plain", "moe", "gpu", "scan"):
         import importlib
 
         return importlib.import_module(f"bench.{args.which}").main(args)

@@ -264,7 +264,7 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
         saved = fused_kept(g, saved, unit_edges(g, units)) - dropped
     in_loops = {t for o in g.ops if o.loop is not None for t in o.outputs}
     kept = {t: size(t, produced[t]) for t in saved if t in produced and t not in in_loops}
-    looped, iteration = loop_residuals(low, g, saved, sizes)
+    looped, iteration = loop_residuals(low, g, sizes)
     kept.update(looped)
     work = max(
         working_set(low, None, cl.fuses_elementwise),
@@ -290,16 +290,17 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
 CONTRACTIONS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 
-def loop_residuals(low, g, saved, sizes) -> tuple[dict, float]:
+def loop_residuals(low, g, sizes) -> tuple[dict, float]:
     """What the backward keeps of the exposed scans (the lowering's ``loop_saves``): per
     iteration, the carries it starts with and the values the backward's reads are rerun
     from: walking back from each value the backward reads, the first matmul output (or a
     collective's result, which a '+' matmul's is) or input re-laid for an op (a layout
     conversion's result) met. Everything between is rerun while that iteration's backward
     runs. Returns (key -> bytes kept over all iterations, the most that one iteration's
-    backward holds of the values it reads beyond the kept ones, rerun). A stacked parameter's slice is the stack
-    itself; ZeRO-3's gathered weights are gathered again where that saves memory, else
-    kept; a recomputed or user-checkpointed body keeps its carries alone."""
+    backward holds of the values it reads beyond the kept ones, rerun). A stacked
+    parameter's slice is the stack itself; ZeRO-3's gathered weights are gathered again
+    where that saves memory, else kept; a recomputed or user-checkpointed body keeps its
+    carries alone."""
     needs = needs_grad(g)
     rerun = recompute_groups(low.plan)
     kept: dict = {}
@@ -313,7 +314,7 @@ def loop_residuals(low, g, saved, sizes) -> tuple[dict, float]:
     def size(t, lay):
         return local_bytes(g, t, lay.reduced if lay.partial else lay, sizes)
 
-    def root(x, reader: Op, lay) -> bool:
+    def root(x, reader, lay) -> bool:
         """Keep ``x`` as ``reader`` reads it when it is re-laid for it; True if so."""
         if producer_layout.get(x) in (None, lay):
             return False
