@@ -147,7 +147,9 @@ def targets(rows: list[Row]) -> list[tuple[str, float | None, float, bool | None
             ("scan/list memory", r.ratio("memory"), BOUNDS["memory"]),
             ("scan/list bytes", r.ratio("comm"), BOUNDS["comm"]),
         ):
-            out.append((f"{r.plan} {what}", value, bound, None if value is None else value <= bound))
+            out.append(
+                (f"{r.plan} {what}", value, bound, None if value is None else value <= bound)
+            )
         for what, key in (("memory", "pred_memory"), ("bytes", "pred_comm")):
             err = r.error("memory" if what == "memory" else "comm")
             met = None if err is None else abs(err) <= BOUNDS[key]

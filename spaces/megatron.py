@@ -45,6 +45,8 @@ from spaces.knobs import check_int
 from spaces.zero import zero_over
 
 WEIGHT_OPS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+# a stacked weight's slice (per iteration) or a pipeline chunk's rows: outside any region
+_SCAN_VIEWS = (*LOOP_PRIMITIVES, "scan_chunk")
 
 
 # ops a weight passes through before its matmul: casts, the transpose of a kernel stored
@@ -132,8 +134,8 @@ def tp_regions(classes: DimClasses, seeds, pieces: int):
     """``(ops, seed)`` per tensor-parallel region: the ops carrying a seeded class (an
     attention's heads, an MLP's hidden features; ``seeds`` from :func:`tp_seeds`), when
     every one of them cuts into ``pieces``. The embedding's vocabulary class is not a
-    region, nor are a scan's boundary ops (a stacked weight's slice is read by the region,
-    inside the scan's body)."""
+    region, nor are a scan's boundary ops and a pipeline chunk's rows of a stack (a stacked
+    weight's slice is read by the region, inside the scan's body)."""
     for seed in seeds:
         dims = list(classes.op_dims(classes.of(*seed)))
         if any(op.annotation.sizes[d] % pieces for op, d in dims):
@@ -141,7 +143,16 @@ def tp_regions(classes: DimClasses, seeds, pieces: int):
         # the vocabulary class (a lookup's indexed axis) is not a region; a gather that
         # keeps the class whole per index (a relative-position bias table's heads) is
         if not any(op.primitive == "gather" and op.annotation.kinds[d] == "+" for op, d in dims):
-            yield [op for op, _ in dims if op.primitive not in LOOP_PRIMITIVES], seed
+            ops = [op for op, _ in dims if op.primitive not in _SCAN_VIEWS]
+            # a class through a stacked weight joins every pipeline chunk's layers: a
+            # region per chunk (each a scan of its own)
+            chunks: dict = {}
+            for op in ops:
+                chunks.setdefault(op.loop, []).append(op)
+            if len(chunks) > 1 and None not in chunks:
+                yield from ((chunk, seed) for chunk in chunks.values())
+            else:
+                yield ops, seed
 
 
 def _closed_by_a_weight_op(graph, classes: DimClasses, seed) -> bool:

@@ -218,3 +218,21 @@ def test_compile_time_is_flat_in_the_depth_of_a_scan():
     _llama_compile_seconds(2)  # warm the tracing caches
     four, sixteen = _llama_compile_seconds(4), _llama_compile_seconds(16)
     assert sixteen <= 1.5 * four, (four, sixteen)
+
+
+def _refused(name: str) -> list[str]:
+    """The reasons the auto search's candidates cannot apply to a registered model."""
+    import schedules  # noqa: F401  (registers the schedules the search tries)
+    from jscaler.search import search
+
+    spec = models.get(name)
+    graph = jscaler.trace(spec.loss, spec.init(0), spec.batch(spec.batch_size, 0))
+    result = search(graph, 8, cluster="dgx2_v100", cache=False)
+    return [r.note for r in result.rows if r.note.startswith("cannot apply")]
+
+
+@pytest.mark.slow
+def test_the_auto_search_applies_to_a_scanned_model_as_to_its_list_twin():
+    scanned, listed = _refused("gpt-tiny-scan"), _refused("gpt-tiny")
+    # only dap, which splits AlphaFold2's module lists, needs layers written as a list
+    assert len([r for r in scanned if "dap" not in r]) <= len(listed), scanned
