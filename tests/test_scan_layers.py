@@ -157,12 +157,18 @@ def _compiled_memory(name: str, plan) -> tuple[int, object]:
 )  # fmt: skip
 def test_a_scanned_model_is_no_heavier_than_its_list_twin(plan):
     scanned, trainer = _compiled_memory("gpt-tiny-scan", plan)
-    listed, _ = _compiled_memory("gpt-tiny", plan)
+    listed, twin = _compiled_memory("gpt-tiny", plan)
     assert scanned <= 1.10 * listed, (scanned, listed)
-    # the same collectives per step; those inside the loop run once per iteration
-    spec = models.get("gpt-tiny-scan")
-    found = collectives(trainer.hlo(spec.batch(8, 0)), trainer.plan.mesh.axes)
+    # collectives inside the loop run once per iteration: bytes per step as the twin's
+    batch = models.get("gpt-tiny-scan").batch(8, 0)
+    found = collectives(trainer.hlo(batch), trainer.plan.mesh.axes)
     assert any(c.times == 4 for c in found) or plan == dp()
+    sent = sum(c.bytes * c.times for c in found)
+    listed_sent = sum(c.bytes * c.times for c in collectives(twin.hlo(batch), twin.plan.mesh.axes))
+    assert sent <= 1.05 * listed_sent, (sent, listed_sent)
+    # and the cost model sees it: memory within 10%, collective bytes within 5%
+    assert abs(trainer.estimate("cpu").memory["total"] / scanned - 1) <= 0.10
+    assert abs(trainer.comm_table().total_bytes / max(sent, 1) - 1) <= 0.05
 
 
 def test_zero3_gathers_each_layer_inside_the_loop():
