@@ -21,7 +21,7 @@ from bench.plain_models import Size
 from bench.scan_models import llama_init, scan_loss, stack_layers
 from jscaler.compile.hlo import collectives
 from jscaler.ir import chunk_loops
-from spaces import coshard, dp, megatron, ring, ulysses, zero
+from spaces import coshard, dp, megatron, ring, ulysses, usp, zero
 
 from parity import assert_matches_reference, assert_parity
 
@@ -40,6 +40,7 @@ NNX_PLANS = {
     "tp_regions": megatron(tp=4, regions=True),
     "ulysses": ulysses(sp=4),
     "ring": ring(sp=4),
+    "usp": usp(ulysses=2, ring=2),
     "coshard": coshard(tp=2, colocate=2),
     "recompute": dp(recompute=1.0),
     "pipeline": megatron(tp=2, pp=2),
