@@ -1,8 +1,9 @@
 """Dim classes: which axes of which tensors are the same logical dim across a graph.
 
 Every op's annotation says which of its tensors' axes carry the same dim; joining those
-statements over the whole graph partitions all (tensor, axis) pairs into classes. The
-batch class holds every activation's batch axis; the class of a column-parallel weight's
+statements over the whole graph partitions all (tensor, axis) pairs into classes. A
+scan's carry in and carry out are one class per axis. The batch class holds every
+activation's batch axis; the class of a column-parallel weight's
 output axis runs through the heads (or the MLP's hidden) to the row-parallel weight's
 input axis, where it is summed away. Splitting a class n ways splits every op along it,
 which is how spaces find what to split in a model they have never seen.
@@ -44,6 +45,14 @@ class DimClasses:
                     self._uf.union(nodes[0], n)
                 self._op_dims.append((op, d, nodes[0]))
                 self._by_op.setdefault(op.id, []).append((d, nodes[0]))
+        # a scan's carry is one value across iterations: its axes are the same dims in
+        # the body's carry in and carry out, so a split of one splits the other
+        for loop in {op.loop for op in graph.ops if op.loop is not None}:
+            for c_in, c_out in loop.carries:
+                if isinstance(c_out, Literal) or c_in not in graph.tensors:
+                    continue
+                for axis in range(len(graph.tensors[c_in].shape)):
+                    self._uf.union((c_in, axis), (c_out, axis))
 
     @classmethod
     def for_graph(cls, graph: Graph) -> DimClasses:
