@@ -1,4 +1,4 @@
-"""Cutting an exposed scan into consecutive scans, one per pipeline stage.
+"""Cutting an exposed scan into consecutive scans, the chunks a pipeline's stages hold.
 
 A pipeline cuts a model's layers into stages; layers stacked under one scan are cut along
 the layer axis: :func:`chunk_loops` rewrites each exposed scan (:mod:`jscaler.ir.expose`)
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jscaler.ir.annotation import Annotation
 from jscaler.ir.build import Builder
 from jscaler.ir.expose import stack_annotation
-from jscaler.ir.graph import Graph, Literal, Loop, Op
+from jscaler.ir.graph import LOOP_PRIMITIVES, Graph, Literal, Loop, Op
 
 __all__ = ["chunk_loops"]
 
@@ -66,8 +66,7 @@ def _chunked(graph: Graph, region: list[Op], parts: int, b: Builder, tensors, co
     slices = [o for o in region if o.primitive == "scan_slice"]
     finals = [o for o in region if o.primitive == "scan_final"]
     stacks = [o for o in region if o.primitive == "scan_stack"]
-    body = [o for o in region if o.primitive not in ("scan_carry", "scan_slice")]
-    body = [o for o in body if o.primitive not in ("scan_final", "scan_stack")]
+    body = [o for o in region if o.primitive not in LOOP_PRIMITIVES]
     base = region[0].path or "scan"
     inner = {t for o in region for t in o.outputs} - {
         t for o in (*finals, *stacks) for t in o.outputs
@@ -119,7 +118,10 @@ def _chunked(graph: Graph, region: list[Op], parts: int, b: Builder, tensors, co
         for c, init in zip(carries, carried):
             out.append(_moved(c, (init,), (rename[c.outputs[0]],), path, base, chunk))
         for s, x in zip(slices, rows):
-            out.append(_moved(s, (x,), (rename[s.outputs[0]],), path, base, chunk))
+            one = tensors[s.outputs[0]].shape
+            ann = Annotation.parse(stack_annotation(len(one), slicing=True))
+            moved_slice = _moved(s, (x,), (rename[s.outputs[0]],), path, base, chunk)
+            out.append(dataclasses.replace(moved_slice, annotation=ann.bind([(n, *one)], [one])))
         for o in body:
             ins = tuple(moved(x) for x in o.inputs)
             out.append(_moved(o, ins, tuple(rename[t] for t in o.outputs), path, base, chunk))
