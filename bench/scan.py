@@ -177,7 +177,8 @@ def main(args) -> int:
     from spaces.parse import parse_plan
 
     n = args.devices or 8
-    plans = [(expr, None) for expr in args.plan] if args.plan else None
+    known = dict(PLANS)  # a standard plan keeps its plain-JAX counterpart
+    plans = [(expr, known.get(expr)) for expr in args.plan] if args.plan else None
     for expr, _ in plans or ():
         parse_plan(expr)  # a bad --plan fails before anything runs
     log = None if args.json else (lambda s: print(s, flush=True))

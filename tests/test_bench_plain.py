@@ -106,3 +106,17 @@ def test_bench_moe_pairs_expert_plans_with_plain_expert_rules():
     assert best.ratio("comm") < 1.0
     line = moe.target_lines(measured)[-1]
     assert any(p.jscaler.name.removeprefix("jscaler ") in line for p in ep), line
+
+
+def test_bench_scan_puts_the_scan_beside_its_list_twin_and_plain_jax():
+    from bench import scan
+
+    rows = scan.run(small=True, plans=[("megatron(tp=8)", "tp")])
+    lines = scan.table(rows, small=True, n=8)
+    assert any(line.startswith("megatron(tp=8)") for line in lines)
+    (row,) = rows
+    assert row.plain is not None and row.plain.memory
+    found = {what: (value, met) for what, value, _, met in scan.targets(rows)}
+    assert found["megatron(tp=8) scan/list memory"][1]  # met on the small model too
+    assert found["megatron(tp=8) scan/list bytes"][1]
+    assert abs(found["megatron(tp=8) predicted memory error"][0]) <= 0.10
