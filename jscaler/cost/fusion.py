@@ -28,8 +28,14 @@ FUSIBLE = {
     "iota", "transpose",
 }  # fmt: skip
 FUSION_ROOTS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
-# ops XLA compiles to a bitcast of their input's buffer: no kernel of their own
-VIEWS = {"reshape", "squeeze", "expand_dims"}
+# ops XLA compiles to a bitcast of their input's buffer: no kernel of their own; and a
+# scan's boundary ops: one iteration's slice of a stack is read in place by the ops that
+# use it, a pipeline chunk's rows likewise, a carry is the loop's buffer, a stacked
+# output is written in place
+VIEWS = {
+    "reshape", "squeeze", "expand_dims",
+    "scan_carry", "scan_slice", "scan_final", "scan_stack", "scan_chunk",
+}  # fmt: skip
 
 
 def materialised(g) -> frozenset[int]:

@@ -46,10 +46,12 @@ def expose_loops(graph: Graph) -> Graph:
     tensors = dict(graph.tensors)
     consts = dict(graph.consts)
     counter = [max(tensors) + 1]
+    used = {x for o in graph.ops for x in o.tensor_inputs}
+    used |= {x for x in graph.outputs if not isinstance(x, Literal)}
     ops: list[Op] = []
     for op in graph.ops:
         if op in chosen:
-            ops.extend(_expose(op, chosen.index(op), tensors, consts, counter))
+            ops.extend(_expose(op, chosen.index(op), tensors, consts, counter, used))
         else:
             ops.append(op)
     ops = [dataclasses.replace(o, id=i) for i, o in enumerate(ops)]
@@ -68,7 +70,9 @@ def _over_layers(graph: Graph, op: Op) -> bool:
     return any(graph.param_behind(x, _VIEWS) is not None for x in xs)
 
 
-def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> list[Op]:
+def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list, used: set) -> list[Op]:
+    """The exposed ops of scan ``op`` (``used``: the tensors the graph reads or returns;
+    a stacked output outside it is dropped)."""
     body = op.body
     p = op.eqn.params
     n_c, n_carry = scan_layout(op.eqn)
@@ -134,11 +138,30 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list) -> l
         rank = len(tensors[op.outputs[k]].shape)
         out.append(boundary("scan_final", carry_out[k], op.outputs[k], _same(rank)))
     for j in range(len(op.outputs) - n_carry):
-        y = outer(body.outputs[n_carry + j])
         stacked = op.outputs[n_carry + j]
+        if stacked not in used:  # nnx.scan's stacked module state, which nothing reads
+            continue
+        y = outer(body.outputs[n_carry + j])
         rank = len(tensors[stacked].shape) - 1
         out.append(boundary("scan_stack", y, stacked, stack_annotation(rank, slicing=False)))
-    return out
+    return _live(out)
+
+
+def _live(ops: list[Op]) -> list[Op]:
+    """``ops`` less the body ops whose every output nothing reads (what only a dropped
+    stacked output needed). Boundary ops stay: a carry's ops are one value each way."""
+    read = {x for o in ops for x in o.tensor_inputs}
+    keep = list(ops)
+    changed = True
+    while changed:
+        changed = False
+        for o in list(keep):
+            if o.primitive in LOOP_PRIMITIVES or any(t in read for t in o.outputs):
+                continue
+            keep.remove(o)
+            read = {x for q in keep for x in q.tensor_inputs}
+            changed = True
+    return keep
 
 
 def _inlined(body: Graph) -> tuple[list[tuple[Op, Remat | None]], dict, dict, dict]:
