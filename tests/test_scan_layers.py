@@ -243,3 +243,15 @@ def test_the_auto_search_applies_to_a_scanned_model_as_to_its_list_twin():
     scanned, listed = _refused("gpt-tiny-scan"), _refused("gpt-tiny")
     # only dap, which splits AlphaFold2's module lists, needs layers written as a list
     assert len([r for r in scanned if "dap" not in r]) <= len(listed), scanned
+
+
+def test_a_pipeline_plan_made_for_a_scanned_model_can_be_passed_in():
+    spec = models.get("gpt-tiny-scan")
+    batch = spec.batch(8, 0)
+    graph = jscaler.trace(spec.loss, spec.init(0), batch)
+    plan = megatron(tp=2, pp=2)(graph, 8)  # planned on the chunked graph
+    assert plan.graph is not graph
+    trainer = jscaler.parallelize(
+        spec.init(0), spec.loss, optax.sgd(0.1), batch, devices=8, plan=plan
+    )
+    assert np.isfinite(trainer.step(batch)["loss"])

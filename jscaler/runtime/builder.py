@@ -26,6 +26,7 @@ import optax
 from jscaler.compile.lower import Lowered, lower
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.errors import PlanError, ScheduleError
+from jscaler.ir.chunk import chunk_loops
 from jscaler.ir.graph import Graph
 from jscaler.ir.trace import trace
 from jscaler.plan.helpers import data_parallel
@@ -309,6 +310,13 @@ def resolve_plan(plan, graph: Graph, n_devices: int, cluster: Cluster | None = N
     ``cluster``, default ``cpu``)."""
     if isinstance(plan, AnyPlan):
         fp = graph_fingerprint(graph)
+        if plan.is_pipeline:  # planned on this graph's scans cut into chunks, perhaps
+            fps = {fp} | {
+                graph_fingerprint(chunk_loops(graph, pp))
+                for pp in {len(plan.groups), len(plan.groups) - len(plan.whole)}
+            }
+            if {p.fingerprint for p in plan.spmd_plans} <= fps:
+                return plan
         for p in plan.spmd_plans:
             if p.fingerprint != fp:
                 Plan.from_json(p.to_json(), graph, "the plan given")  # raises the mismatch
