@@ -323,10 +323,10 @@ def _run_loop(low: Lowered, ops: list[Op], env: dict, have: dict) -> None:
 
     # inside the body nothing else is re-laid: a slice inherits its stack's layout (a
     # constraint on it would make the backward keep a copy of every layer's weights), and
-    # so does a stacked output its slices'
-    # a body the user checkpointed whole runs under their policy alone (its segment)
-    inner = [o for o in ops if o.primitive not in LOOP_PRIMITIVES]
-    policy = None if all(o.remat is not None for o in inner) else loop_saves
+    # so does a stacked output its slices'. A body the user checkpointed whole runs under
+    # their policy alone (its segment)
+    body_ops = [o for o in ops if o.primitive not in LOOP_PRIMITIVES]
+    policy = None if all(o.remat is not None for o in body_ops) else loop_saves
     run_loop(ops, env, body, enter, carry, leave, policy)
     for o in ops:
         if o.primitive in ("scan_final", "scan_stack"):
@@ -382,18 +382,20 @@ def _segments(plan: Plan, ops):
     for i, grp in enumerate(plan.recompute):
         for op_id in grp:
             group_of[op_id] = i
-    out: list[tuple[object, list[Op]]] = []
+    out: list[tuple[object, object, list[Op]]] = []  # (group key, policy, ops)
     for op in ops:
         grp = group_of.get(op.id)
-        key = ("plan", grp) if grp is not None else ("user", op.remat) if op.remat else None
-        if out and out[-1][0] == key:
-            out[-1][1].append(op)
+        if grp is not None:
+            key, policy = ("plan", grp), None
+        elif op.remat is not None:
+            key, policy = ("user", op.remat), op.remat.policy
         else:
-            out.append((key, [op]))
-    return [
-        (False if key is None else key[1].policy if key[0] == "user" else None, seg)
-        for key, seg in out
-    ]
+            key, policy = None, False
+        if out and out[-1][0] == key:
+            out[-1][2].append(op)
+        else:
+            out.append((key, policy, [op]))
+    return [(policy, seg) for _, policy, seg in out]
 
 
 def _run_checkpointed(low: Lowered, ops, env, have, policy=None):

@@ -43,7 +43,7 @@ from jscaler.compile.lower import lower
 from jscaler.cost.cluster import Cluster, get_cluster
 from jscaler.cost.collective import Combined, collective_time
 from jscaler.cost.fusion import fused_op_bytes, kernels
-from jscaler.cost.memory import local_bytes, recomputed_ops, spmd_memory
+from jscaler.cost.memory import CONTRACTIONS, local_bytes, recomputed_ops, spmd_memory
 from jscaler.cost.precision import compute_roofs, row_scale, state_scale, value_scale
 from jscaler.errors import PlanError
 from jscaler.plan.plan import Plan
@@ -56,8 +56,6 @@ __all__ = [
     "flops_of",
     "roofline_seconds",
 ]
-
-CONTRACTIONS = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
 
 
 @dataclass(frozen=True)

@@ -287,7 +287,9 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
 
 
-CONTRACTIONS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+# ops whose backward is two contractions (input and weight gradients), and whose outputs
+# an exposed scan's body keeps (jscaler.compile.lower.loop_saves)
+CONTRACTIONS = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
 
 
 def loop_residuals(low, g, sizes) -> tuple[dict, float]:

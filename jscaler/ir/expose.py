@@ -150,18 +150,18 @@ def _expose(op: Op, index: int, tensors: dict, consts: dict, counter: list, used
 def _live(ops: list[Op]) -> list[Op]:
     """``ops`` less the body ops whose every output nothing reads (what only a dropped
     stacked output needed). Boundary ops stay: a carry's ops are one value each way."""
-    read = {x for o in ops for x in o.tensor_inputs}
     keep = list(ops)
-    changed = True
-    while changed:
-        changed = False
-        for o in list(keep):
-            if o.primitive in LOOP_PRIMITIVES or any(t in read for t in o.outputs):
-                continue
-            keep.remove(o)
-            read = {x for q in keep for x in q.tensor_inputs}
-            changed = True
-    return keep
+    while True:
+        read = {x for o in keep for x in o.tensor_inputs}
+        dead = [
+            o
+            for o in keep
+            if o.primitive not in LOOP_PRIMITIVES and not any(t in read for t in o.outputs)
+        ]
+        if not dead:
+            return keep
+        gone = {id(o) for o in dead}  # ids are the body's own here, not yet unique
+        keep = [o for o in keep if id(o) not in gone]
 
 
 def _inlined(body: Graph) -> tuple[list[tuple[Op, Remat | None]], dict, dict, dict]:
