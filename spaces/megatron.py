@@ -52,7 +52,7 @@ _SCAN_VIEWS = (*LOOP_PRIMITIVES, "scan_chunk")
 # ops a weight passes through before its matmul: casts, the transpose of a kernel stored
 # (out, in), as Hugging Face's GPT-2 Conv1D does, and the (parts, features) view of a fused
 # projection's kernel (jscaler.ir.unfuse; the dim classes follow them all)
-_PARAM_VIEWS = ("convert_element_type", "copy", "identity", "transpose", "reshape")
+_PARAM_VIEWS = ("convert_element_type", "copy", "identity", "transpose", "reshape", "slice")
 
 
 def param_source(graph: jscaler.Graph, t: int) -> int | None:
@@ -117,8 +117,16 @@ def _spans_layers(graph: jscaler.Graph, classes: DimClasses, cls, layer_of: dict
     the features of a residual stream (what a linear embedding writes), which every layer
     reads and adds to. Megatron splits the layers' own classes (heads, hidden features)
     instead, including one that several layers read from a value made outside them (T5's
-    relative-position bias, computed once per stack, carries every layer's heads)."""
+    relative-position bias, computed once per stack, carries every layer's heads). Under
+    a scan, the layers are one body: a class that reaches a carry's output is read by the
+    next iteration."""
     for op, _ in classes.op_dims(cls):
+        if op.loop is not None:  # a scan's carry: the next iteration (layer) reads it
+            carried = {out for _, out in op.loop.carries}
+            for t in op.outputs:
+                rank = len(graph.tensors[t].shape)
+                if t in carried and any(classes.of(t, a) == cls for a in range(rank)):
+                    return True
         here = layer_of.get(op.id)
         if here is None:
             continue
@@ -235,9 +243,22 @@ def tensor_parallel(graph: jscaler.Graph, mesh: MeshSpec, sp: bool = False) -> P
     order = {o.id: i for i, o in enumerate(graph.ops)}
     first_head = min((order[h.id] for h in heads), default=len(graph.ops))
 
+    seed_roots = {classes.of(*s) for s in seeds}
+
+    def heads_whole(op) -> bool:
+        """The op carries a split class on a dim tp does not divide: grouped-query
+        attention's queries reshaped to (kv heads, group), fewer kv heads than tp."""
+        sizes = op.annotation.sizes if op.annotation is not None else {}
+        return any(
+            (d := classes.dim_of(op, r)) is not None and sizes.get(d, 0) % tp
+            for r in seed_roots
+        )
+
     def choose(op, dim):  # only activations split along the sequence
         if not any(classes.dim_of(op, r) == dim for r in seq_roots):
             return True
+        if heads_whole(op):  # split by query rows where the heads cannot split
+            return any(classes.dim_of(op, r) for r in batch_roots)
         after_head = order.get(op.id, -1) >= first_head
         return (sp or after_head) and any(classes.dim_of(op, r) for r in batch_roots)
 

@@ -22,7 +22,7 @@ def register(sub) -> None:
         "reproduces nnScaler's end-to-end table (SIMULATED); 'gpu' holds the cost model's "
         "step time and memory to one local accelerator; 'scan' puts a Llama with its "
         "layers stacked under jax.lax.scan beside its list twin and plain JAX under every "
-        "plan",
+        "plan; 'variants' holds every plan to plain JAX on generated transformer variants",
         description="Run a benchmark and print its table. 'spmd': for one model on N "
         "simulated devices, per plan: per-device memory (XLA memory_analysis), collective "
         "bytes per step by kind (compiled HLO) and step time, beside plain JAX with "
@@ -57,7 +57,12 @@ def register(sub) -> None:
         "SwiGLU, RoPE) written with its layers in a list and stacked under jax.lax.scan "
         "(--small shrinks it), per plan: both per-device memories and collective bytes "
         "(a loop's collectives once per iteration), the plain-JAX layout on the scanned "
-        "model, the cost model's errors, and the targets.",
+        "model, the cost model's errors, and the targets. 'variants': --n transformer "
+        "variants drawn from --seed (MHA/GQA/MQA, fused or separate projections, einsum or "
+        "dot_product_attention, masks, positions, GELU/SwiGLU/MoE, tied, norms, losses, "
+        "list or scan, params/nnx/linen), each jscaler plan beside the plain-JAX layout a "
+        "user writes for that variant, and the median and worst ratio per column with the "
+        "misses and the choices they share.",
     )
     be.add_argument(
         "which",
@@ -73,6 +78,7 @@ def register(sub) -> None:
             "moe",
             "gpu",
             "scan",
+            "variants",
         ],
         help="the benchmark",
     )
@@ -107,6 +113,12 @@ def register(sub) -> None:
         default=None,
         help="a plan expression to bench (repeatable; default: a standard set)",
     )
+    be.add_argument(
+        "--n", type=positive_int, default=50, help="variants: how many to draw (default 50)"
+    )
+    be.add_argument(
+        "--seed", type=int, default=0, help="variants: the seed they are drawn from (default 0)"
+    )
     be.add_argument("--json", action="store_true", help="print the rows as JSON")
     be.add_argument(
         "--cluster",
@@ -126,7 +138,7 @@ def _bench(args) -> int:
         return _bench_coshard(args)
     if args.which == "cost":
         return _bench_cost(args)
-    if args.which in ("calibrate", "order", "paper", "plain", "moe", "gpu", "scan"):
+    if args.which in ("calibrate", "order", "paper", "plain", "moe", "gpu", "scan", "variants"):
         import importlib
 
         return importlib.import_module(f"bench.{args.which}").main(args)

@@ -77,13 +77,22 @@ class Builder:
 
     def splice(self, graph: Graph, replace: dict[int, list[Op]], dropped: set[int]) -> Graph:
         """``graph`` rewritten: op ``k`` of ``replace`` becomes the ops built here for it
-        (which write its outputs), the other ``dropped`` ops go with the tensors only they
-        wrote; ops are renumbered in order."""
-        gone = {t for o in graph.ops if o.id in dropped and o.id not in replace for t in o.outputs}
+        (which write its outputs, or those of other ``dropped`` ops), the other ``dropped``
+        ops go with the tensors only they wrote; ops are renumbered in order."""
+        written = {t for rs in replace.values() for r in rs for t in r.outputs}
+        gone = {
+            t
+            for o in graph.ops
+            if o.id in dropped and o.id not in replace
+            for t in o.outputs
+            if t not in written
+        }
         ops = []
         for op in graph.ops:
             if op.id in replace:  # the replacements run where the op ran (in its scan)
-                ops.extend(dataclasses.replace(r, loop=op.loop) for r in replace[op.id])
+                ops.extend(
+                    dataclasses.replace(r, loop=op.loop, remat=op.remat) for r in replace[op.id]
+                )
             elif op.id not in dropped:
                 ops.append(op)
         ops = [dataclasses.replace(o, id=i) for i, o in enumerate(ops)]

@@ -18,6 +18,7 @@ from jscaler.ir.extrema import two_level_extrema
 from jscaler.ir.graph import Graph
 from jscaler.ir.loops import refuse_dynamic_loops
 from jscaler.ir.scopes import leaf_scopes, module_classes, module_scopes
+from jscaler.ir.fused_parts import cut_fused_parts
 from jscaler.ir.unfuse import unfuse_projections
 
 __all__ = ["Signature", "key_names", "trace"]
@@ -246,7 +247,7 @@ def trace(
     # a scan over stacked layers: its body's ops are planned like any layer's
     graph = expose_loops(b.graph(ins, outs, sig))
     # fused q/k/v (gate/up) matmuls on their (parts, features) view: heads split cleanly
-    graph = unfuse_projections(graph)
+    graph = cut_fused_parts(unfuse_projections(graph))
     # a loss's max over the vocabulary in two levels: the logits can stay split
     graph = two_level_extrema(graph)
     refuse_dynamic_loops(graph)

@@ -23,7 +23,7 @@ import jax
 from jscaler.ir.build import Builder
 from jscaler.ir.graph import Graph, Literal, Op
 
-__all__ = ["unfuse_projections"]
+__all__ = ["chain_to_weight", "free_axis", "unfuse_projections"]
 
 # ops allowed between the matmul and the split: the bias add, casts, scalings
 _CHAIN = {"add", "sub", "mul", "convert_element_type", "copy"}
@@ -55,10 +55,18 @@ def _match(graph: Graph, split: Op):
     ``side`` is the matmul operand (0 or 1) holding the weight, ``chain`` the
     elementwise ops between the two, first to last."""
     sizes = split.eqn.params["sizes"]
-    axis = split.eqn.params["axis"]
     if len(sizes) < 2 or len(set(sizes)) != 1:
         return None
-    t, chain = split.inputs[0], []
+    found = chain_to_weight(graph, split.inputs[0], split.eqn.params["axis"])
+    return None if found is None else (*found, split)
+
+
+def chain_to_weight(graph: Graph, t: int, axis: int):
+    """``(dot, side, chain)`` when tensor ``t`` is a matmul's output (through elementwise
+    ops only, each read by the next alone) whose axis ``axis`` is the output features of
+    a parameter, operand ``side`` of the matmul; ``chain``: the elementwise ops, first to
+    last. None otherwise."""
+    chain = []
     outputs = {x for x in graph.outputs if not isinstance(x, Literal)}
     while True:
         if t in outputs or len(graph.consumers(t)) != 1:
@@ -77,20 +85,20 @@ def _match(graph: Graph, split: Op):
         chain.append(op)
         t = full[0]
     side = _weight_side(graph, op, axis)
-    return None if side is None else (op, side, chain[::-1], split)
+    return None if side is None else (op, side, chain[::-1])
 
 
 def _weight_side(graph: Graph, dot: Op, out_axis: int) -> int | None:
     """The operand whose free axis is the dot's output axis, if it is a parameter (through
     casts and transposes)."""
-    found = _free_axis(graph, dot, out_axis)
+    found = free_axis(graph, dot, out_axis)
     if found is None:
         return None
     side, _ = found
     return None if graph.param_behind(dot.inputs[side], _WEIGHT_VIEWS) is None else side
 
 
-def _free_axis(graph: Graph, dot: Op, out_axis: int) -> tuple[int, int] | None:
+def free_axis(graph: Graph, dot: Op, out_axis: int) -> tuple[int, int] | None:
     """``(operand, axis)`` of the dot's output axis, or None for a batch axis."""
     (lc, rc), (lb, rb) = dot.eqn.params["dimension_numbers"]
     ranks = [len(graph.tensors[x].shape) for x in dot.inputs]
@@ -118,7 +126,7 @@ def _rewrite(graph: Graph, b: Builder, dot: Op, side: int, chain: list[Op], spli
     """Adds to ``b`` the ops computing ``split``'s outputs on the (parts, features) view."""
     parts = len(split.eqn.params["sizes"])
     axis = split.eqn.params["axis"]
-    _, w_axis = _free_axis(graph, dot, axis)
+    _, w_axis = free_axis(graph, dot, axis)
 
     def emit(fn, ins, path):
         return b.emit(fn, ins, path, graph)
