@@ -135,7 +135,7 @@ def draw_many(seed: int, n: int) -> list[Variant]:
 
 def init(v: Variant, key: int = 0) -> dict:
     """The variant's parameters as a pytree (the names its rules match)."""
-    d, hd, kv = v.d, v.d // HEADS, v.kv_heads * (v.d // HEADS)
+    d, kv = v.d, v.kv_heads * (v.d // HEADS)
     f = 4 * d if v.mlp == "gelu" else 3 * d
     keys = iter(jax.random.split(jax.random.key(key), 64 * v.depth + 8))
 
@@ -241,9 +241,7 @@ def _attend(v: Variant, q, k, val):
             {"mask": causal[None, None]} if v.mask == "where"
             else {"bias": jnp.where(causal, 0.0, -1e9)[None, None]}
         )  # fmt: skip
-        return jax.nn.dot_product_attention(q, k, val, implementation="xla", **kw).reshape(
-            b, s, -1
-        )
+        return jax.nn.dot_product_attention(q, k, val, implementation="xla", **kw).reshape(b, s, -1)
     if groups > 1:  # queries grouped by their key/value head
         q = q.reshape(b, s, v.kv_heads, groups, hd)
         scores = jnp.einsum("bqhgc,bkhc->bhgqk", q, k) / jnp.sqrt(hd)

@@ -215,9 +215,13 @@ def _auto(res: Result) -> None:
 def run(seed: int, n_variants: int, n: int = N_DEVICES, steps: int = 3, keys=None, log=None):
     out = []
     for v in draw_many(seed, n_variants):
-        out.append(measure(build(v), n, steps, keys))
+        res = measure(build(v), n, steps, keys)
+        out.append(res)
         if log:
-            log(f"  {v.name}: {v.describe()}")
+            cells = " ".join(
+                f"{k} {w[:3]} {_x(r.ratio(w))}" for k, w, _ in BOUNDS if (r := res.row(k))
+            )
+            log(f"  {v.name}: {v.describe()}\n    {cells}; auto mem {_x(res.auto_memory)}")
     return out
 
 

@@ -15,6 +15,10 @@ tensor instead.
 A fused projection (q, k and v from one matmul, cut apart by ``split``) is traced on its
 (parts, features) view (:mod:`jscaler.ir.unfuse`): its features are split, so each device
 computes its heads of q, of k and of v; the kernel itself stays whole on every device.
+Parts of unequal sizes (grouped-query q/k/v) and a fused output reshaped into heads then
+sliced get a matmul per part on a slice of the kernel (:mod:`jscaler.ir.fused_parts`).
+Grouped queries reshaped to (kv heads, group), with fewer kv heads than tp, have no dim
+that splits tp ways: those ops split by query rows (the sequence) instead.
 
 With ``sp=True`` (Megatron sequence parallelism), ops outside the tensor-parallel regions
 (norms, residual adds, dropout, the loss) are split along the sequence over the same tp
@@ -102,6 +106,27 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
                 covered.add(cls)
             break
     return seeds, heads
+
+
+def fused_kernels(graph: jscaler.Graph) -> frozenset[int]:
+    """The parameters a fused projection reads: every consumer (past a stacked weight's
+    per-iteration slice) is a slice or a reshape feeding a matmul (jscaler.ir.fused_parts,
+    jscaler.ir.unfuse). Megatron computes their parts by heads from the whole kernel."""
+    found = set()
+    for p in graph.params():
+        t, users = p.id, graph.consumers(p.id)
+        if len(users) == 1 and users[0].primitive in _SCAN_VIEWS:
+            t = users[0].outputs[0]
+            users = graph.consumers(t)
+        if len(graph.tensors[t].shape) < 2 or not users:
+            continue
+        if all(
+            u.primitive in ("slice", "reshape")
+            and all(c.primitive in WEIGHT_OPS for c in graph.consumers(u.outputs[0]))
+            for u in users
+        ):
+            found.add(p.id)
+    return frozenset(found)
 
 
 def _cut_apart(classes: DimClasses, x: int, axis: int) -> bool:
@@ -212,7 +237,14 @@ class Megatron:
         key = (tensor_parallel, mesh, self.sp)
         plan = graph.memo(key, lambda: tensor_parallel(graph, mesh, self.sp)).evolve(name=name)
         _warn_whole_attention(graph, self.tp)
-        plan = zero_over(plan, graph, self.zero)
+        # fused kernels (read through slices or a view, whole over tp) are stored split
+        # over tp, as the plain rules store them, and gathered for use (ZeRO-3 over tp)
+        fused = fused_kernels(graph)
+        if fused and self.tp > 1:
+            axes = ("dp", "tp") if self.zero == 3 and dp > 1 else ("tp",)
+            plan = zero_over(plan, graph, 3, axes, only=fused)
+        rest = frozenset(p.id for p in graph.params()) - fused
+        plan = zero_over(plan, graph, self.zero, only=rest)
         if self.regions:
             classes = DimClasses.for_graph(plan.pgraph.graph)
             seeds = _divisible_seeds(graph, tp_seeds(graph, classes)[0], self.tp)
@@ -250,8 +282,7 @@ def tensor_parallel(graph: jscaler.Graph, mesh: MeshSpec, sp: bool = False) -> P
         attention's queries reshaped to (kv heads, group), fewer kv heads than tp."""
         sizes = op.annotation.sizes if op.annotation is not None else {}
         return any(
-            (d := classes.dim_of(op, r)) is not None and sizes.get(d, 0) % tp
-            for r in seed_roots
+            (d := classes.dim_of(op, r)) is not None and sizes.get(d, 0) % tp for r in seed_roots
         )
 
     def choose(op, dim):  # only activations split along the sequence

@@ -58,6 +58,7 @@ def shard_params(
     *,
     forward: bool,
     replicas=(),
+    only: frozenset[int] | None = None,
 ) -> Plan:
     """Applies ZeRO's parameter/gradient/optimizer splits over mesh axis ``axis`` (or
     axes: a parameter is sharded over every one of them it is replicated over).
@@ -69,7 +70,7 @@ def shard_params(
     gradient and storage, and ZeRO splits its local shard further over the ZeRO axes it
     is read whole over, each on the largest local dim that axis divides (none: that axis
     replicates it); over the ``replicas`` it is read whole over each shard is replicated
-    (ZeRO inside sequence parallelism).
+    (ZeRO inside sequence parallelism). ``only``: the parameters to shard (default all).
     """
     axes = [axis] if isinstance(axis, str) else list(axis)
     levels = [*replicas, *axes]
@@ -80,6 +81,8 @@ def shard_params(
     sliced = {p.id: s for p in graph.params() if (s := _scan_slice(graph, p.id)) is not None}
     algos = {}  # parameter -> per level in ``levels``: the tensor axis split there, or None
     for p in graph.params():
+        if only is not None and p.id not in only:
+            continue
         local = list(p.shape)
         for other, a in outer[p.id].items():
             if a is not None:
@@ -175,11 +178,16 @@ def _consumer_splits(plan: Plan, graph: jscaler.Graph, t: int, axes) -> dict:
 
 
 def zero_over(
-    plan: Plan, graph: jscaler.Graph, stage: int, axis: str | Sequence[str] = "dp"
+    plan: Plan,
+    graph: jscaler.Graph,
+    stage: int,
+    axis: str | Sequence[str] = "dp",
+    only: frozenset[int] | None = None,
 ) -> Plan:
     """ZeRO stage ``stage`` (0: none) over mesh axis ``axis`` of an existing plan, or over
     several (``("dp", "ep")``: a parameter read whole over both is sharded over both, one
-    read split over ep only over dp); shards replicated over its other axes."""
+    read split over ep only over dp); shards replicated over its other axes. ``only``:
+    the parameters to shard (default all)."""
     if stage == 0:
         return plan
     if stage not in (1, 2, 3):
@@ -198,7 +206,7 @@ def zero_over(
         )
     axes = [a for a, n in zip(axes, sizes) if n > 1]
     replicas = [a for a, size in plan.mesh.axes if a not in axes and size > 1]
-    return shard_params(plan, graph, stage, axes, forward=False, replicas=replicas)
+    return shard_params(plan, graph, stage, axes, forward=False, replicas=replicas, only=only)
 
 
 def _index(pg, t: int) -> int:

@@ -92,10 +92,13 @@ def reference_with_aux(variables, loss_fn, batches, lr=LR):
     return steps, collections
 
 
-def assert_matches_reference(model, loss_fn, batches, plan, *, devices=8, lr=LR, has_aux=False):
+def assert_matches_reference(
+    model, loss_fn, batches, plan, *, devices=8, lr=LR, has_aux=False, atol=None
+):
     """Trains one SGD step per batch under ``plan`` and checks loss, gradients and updated
     parameters (with ``has_aux``: and the linen collections carried as state) against the
-    same steps on one device, for models outside the registry; returns the trainer."""
+    same steps on one device, for models outside the registry; returns the trainer.
+    ``atol``: :func:`~jscaler.runtime.reference.compare`'s, per kind."""
     if has_aux:
         want, want_collections = reference_with_aux(model, loss_fn, batches, lr)
     else:
@@ -110,9 +113,9 @@ def assert_matches_reference(model, loss_fn, batches, plan, *, devices=8, lr=LR,
             have = {k: v for k, v in trainer.variables.items() if k != "params"}
             pairs = zip(leaves(have), leaves(want_collections[step]), strict=True)
             for x, y in pairs:  # the tolerance of updated parameters
-                atol = ATOL["param"] * np.max(np.abs(y), initial=0.0)
-                np.testing.assert_allclose(x, y, rtol=RTOL, atol=atol, err_msg=f"step {step}")
-    mm = compare(got, want, initial=model["params"] if has_aux else parameters(model))
+                tol = ATOL["param"] * np.max(np.abs(y), initial=0.0)
+                np.testing.assert_allclose(x, y, rtol=RTOL, atol=tol, err_msg=f"step {step}")
+    mm = compare(got, want, atol=atol, initial=model["params"] if has_aux else parameters(model))
     assert mm.ok, "\n".join(mm.lines[:10])
     return trainer
 

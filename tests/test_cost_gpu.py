@@ -86,7 +86,22 @@ def _plan(name: str, batch: int, precision: str):
     return dp(recompute=int(bool(recompute)))(jscaler.trace(gpt.loss, model, data), 1)
 
 
-@pytest.mark.parametrize("name, batch, precision", sorted(MEASURED_MB))
+# measured before a traced softmax was differentiated by its own rule
+# (jscaler.compile.softmax): the fp32 step then kept each layer's scores as well as its
+# probabilities, and the estimate now counts the probabilities alone (31.4 GB predicted);
+# no GPU was at hand to measure the step again (jscaler bench gpu on an H200)
+STALE = {("gpt-350m", 8, "fp32")}
+
+
+@pytest.mark.parametrize(
+    "name, batch, precision",
+    [
+        pytest.param(*k, marks=pytest.mark.xfail(strict=True, reason="measured before the "
+                     "softmax rule; re-measure with jscaler bench gpu on an H200"))
+        if k in STALE else k
+        for k in sorted(MEASURED_MB)
+    ],
+)  # fmt: skip
 def test_memory_on_an_h200(name, batch, precision):
     plan = _plan(name, batch, precision)
     total = jscaler.estimate(plan, "h200", dtype=precision.split("+")[0]).memory["total"] / 1e6

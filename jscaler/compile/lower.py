@@ -37,6 +37,7 @@ from jscaler.compile.local import first_group, ragged_piece, transition, vary, v
 from jscaler.compile.regions import manual_regions
 from jscaler.compile.reshard import loop_regathers, reshard_units, run_resharded
 from jscaler.compile.segment import Segment
+from jscaler.compile.softmax import softmax_outputs, with_softmax_rule
 from jscaler.errors import LayoutError
 from jscaler.ir.expose import loop_groups, run_loop
 from jscaler.ir.graph import LOOP_PRIMITIVES, Literal, Loop, Op
@@ -100,6 +101,8 @@ class Lowered(Memoized):
     update: dict[int, Layout]  # param tensor -> optimizer update / state layout
     regions: dict = field(default_factory=dict)  # op id -> ManualRegion it belongs to
     prefetch: dict = field(default_factory=dict)  # op id -> Prefetch to run before it
+    # division op id -> (x, axes): it completes softmax(x), differentiated by softmax's rule
+    softmax: dict = field(default_factory=dict)
 
     def sharding(self, layout: Layout) -> NamedSharding:
         return NamedSharding(self.mesh, layout.pspec())
@@ -153,7 +156,8 @@ def _lower(plan: Plan, devices) -> Lowered:
                 table[param] = storage[param]
     regions = manual_regions(plan)
     prefetch = _prefetch_schedule(plan)
-    return Lowered(plan, mesh, ops, storage, targets, grad, update, regions, prefetch)
+    softmax = softmax_outputs(g)
+    return Lowered(plan, mesh, ops, storage, targets, grad, update, regions, prefetch, softmax)
 
 
 @dataclass(frozen=True)
@@ -437,6 +441,9 @@ def _run_op_named(low: Lowered, op: Op, env, have):
         return
     else:
         outs = _bind(op, ins)
+        rule = low.softmax.get(op.id)
+        if rule is not None and rule[0] in env:
+            outs = [with_softmax_rule(env[rule[0]], outs[0], rule[1])]
     for t, v, lay in zip(op.outputs, outs, lays.outputs):
         lay = output_layout(low, op, t, lay)
         env[t] = _constrain(low, v, lay)

@@ -33,6 +33,7 @@ from jscaler.compile.comm import NON_DIFFERENTIABLE, needs_grad
 from jscaler.compile.layout import Layout
 from jscaler.compile.lower import output_layout
 from jscaler.compile.reshard import loop_regathers, reshard_units
+from jscaler.compile.softmax import softmax_chains
 from jscaler.cost.cluster import Cluster
 from jscaler.cost.fusion import fused_kept, materialised
 from jscaler.ir.graph import Literal
@@ -175,10 +176,21 @@ def _find_backward_reads(graph) -> tuple[tuple, tuple]:
     needs = needs_grad(graph)
     producer = {t: op.id for op in graph.ops for t in op.outputs}
     reads, own = [], []
+    # a softmax's ops are differentiated by its rule, which reads its output alone
+    # (jscaler.compile.softmax); in a scan's body the loop's checkpoint policy decides
+    # what is kept, the same with the rule or without (loop_residuals)
+    in_loop = {op.id for op in graph.ops if op.loop is not None}
+    chains = {k: v for k, v in softmax_chains(graph).items() if k not in in_loop}
+    in_chain = {i for _, _, ids in chains.values() for i in ids}
     for op in graph.ops:
         if op.primitive in NON_DIFFERENTIABLE or op.primitive in LINEAR:
             continue
         if not any(t in needs for t in op.outputs):
+            continue
+        if op.id in chains:
+            own.append((op.id, op.outputs))
+            continue
+        if op.id in in_chain:
             continue
         if op.primitive in OWN_OUTPUT:
             own.append((op.id, op.outputs))

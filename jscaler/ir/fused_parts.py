@@ -68,7 +68,7 @@ def _match_split(graph: Graph, split: Op):
 def _match_heads(graph: Graph, reshape: Op):
     """A reshape of a fused projection's output axis into (heads, head dim), each of whose
     consumers slices a contiguous run of heads, the runs covering every head once."""
-    src, = reshape.tensor_inputs
+    (src,) = reshape.tensor_inputs
     old, new = graph.tensors[src].shape, graph.tensors[reshape.outputs[0]].shape
     if len(new) != len(old) + 1 or reshape.eqn.params.get("dimensions") is not None:
         return None

@@ -15,10 +15,10 @@ from jscaler.ir.build import Builder
 from jscaler.ir.evaluate import evaluate
 from jscaler.ir.expose import expose_loops
 from jscaler.ir.extrema import two_level_extrema
+from jscaler.ir.fused_parts import cut_fused_parts
 from jscaler.ir.graph import Graph
 from jscaler.ir.loops import refuse_dynamic_loops
 from jscaler.ir.scopes import leaf_scopes, module_classes, module_scopes
-from jscaler.ir.fused_parts import cut_fused_parts
 from jscaler.ir.unfuse import unfuse_projections
 
 __all__ = ["Signature", "key_names", "trace"]
