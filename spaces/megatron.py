@@ -94,8 +94,10 @@ def tp_seeds(graph: jscaler.Graph, classes: DimClasses):
             if not free:
                 continue
             # a fused projection's (parts, features) view: the parts axis is sliced apart
-            # right after; its features (the heads of q, k and v) are what to split
-            axis = next((a for a in free if not _cut_apart(classes, x, a)), free[0])
+            # right after; its features (the heads of q, k and v) are what to split. Of
+            # several, the last: an expert kernel (experts, d, f) splits its features f
+            whole = [a for a in free if not _cut_apart(classes, x, a)]
+            axis = whole[-1] if whole else free[0]
             cls = classes.of(x, axis)
             if _spans_layers(graph, classes, cls, layer_of):
                 break  # a residual stream (a linear patch embedding's output): not a region
@@ -319,8 +321,8 @@ def sequence_axes(graph: jscaler.Graph) -> list[tuple[int, int]]:
 
 
 def _warn_whole_attention(graph: jscaler.Graph, tp: int) -> None:
-    """Warns when an attention's heads do not split ``tp`` ways: its ops then run whole on
-    every tensor-parallel device (the same compute and activations tp times)."""
+    """Warns when an attention's heads do not split ``tp`` ways: its ops then split by
+    query rows, keys and values whole on every tensor-parallel device (or run whole)."""
     if tp == 1:
         return
     for att in jscaler.find_attention(graph):
@@ -332,9 +334,10 @@ def _warn_whole_attention(graph: jscaler.Graph, tp: int) -> None:
             )
             warnings.warn(
                 f"megatron(tp={tp}): the attention at {att.path or 'the top level'} has "
-                f"{heads}, which {tp} does not divide: its ops run whole on every "
-                f"tensor-parallel device, or cut within a head and gathered. Choose tp among "
-                f"the divisors of {math.gcd(q_heads, k_heads)}",
+                f"{heads}, which {tp} does not divide: where its heads cannot split {tp} "
+                f"ways its ops split by query rows (keys and values whole on every device), "
+                f"or run whole where they have no sequence axis. To split it by heads, "
+                f"choose tp among the divisors of {math.gcd(q_heads, k_heads)}",
                 stacklevel=3,
             )
             return
