@@ -151,8 +151,9 @@ def _spans_layers(graph: jscaler.Graph, classes: DimClasses, cls, layer_of: dict
         if op.loop is not None:  # a scan's carry: the next iteration (layer) reads it
             carried = {out for _, out in op.loop.carries}
             for t in op.outputs:
-                rank = len(graph.tensors[t].shape)
-                if t in carried and any(classes.of(t, a) == cls for a in range(rank)):
+                if t not in carried or t not in graph.tensors:  # a plan graph's own op
+                    continue
+                if any(classes.of(t, a) == cls for a in range(len(graph.tensors[t].shape))):
                     return True
         here = layer_of.get(op.id)
         if here is None:

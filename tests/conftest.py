@@ -57,7 +57,7 @@ def pytest_unconfigure(config):
 
 def pytest_report_header(config):
     seed = os.environ["JSCALER_RANDOM_SEED"]
-    lines = [f"random plans: JSCALER_RANDOM_SEED={seed} (set it to replay this run's plans)"]
+    lines = [f"random plans and variants: JSCALER_RANDOM_SEED={seed} (set it to replay this run)"]
     if config.option.markexpr:
         lines.append(f"slow tests: as -m {config.option.markexpr!r} selects")
     else:

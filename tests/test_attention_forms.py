@@ -117,3 +117,16 @@ def test_a_traced_softmax_keeps_only_its_output_for_the_backward(monkeypatch):
     scores = (16 // 8) * 8 * vm.variant.seq**2 * 4
     assert without - with_rule >= vm.variant.depth * scores, (with_rule, without)
     jax.clear_caches()
+
+
+def test_coshard_plans_a_scanned_variant():
+    """coshard reads Megatron's seeds on its plan graph, whose ZeRO identities run in the
+    scan: the check for a class reaching the scan's carry skips ops the traced graph does
+    not have (it raised a KeyError on one, inside plan="auto")."""
+    from spaces import coshard
+
+    vm = _variant(layers="scan", attn="mqa", kv_heads=1, proj="fused-kv", core="dpa",
+                  mask="is_causal", norm="post-rms", mlp="swiglu")  # fmt: skip
+    model, loss = vm.make()
+    assert_matches_reference(model, loss, _batches(vm, 2), coshard(tp=2, colocate=2), lr=0.05)
+    jax.clear_caches()
