@@ -38,7 +38,7 @@ import optax
 
 from bench.plain_baselines import BASELINES, label
 from bench.plain_models import BUILDERS, BenchModel
-from bench.table import columns
+from bench.table import columns, mb, times
 
 WARM = 3  # untimed steps (the first compiles); the loss compared is the one after them
 LOSS_RTOL = 1e-4
@@ -231,33 +231,25 @@ def run(names=None, small: bool = False, n: int = 8, steps: int = 5, pairs=None,
 # ---- output ----------------------------------------------------------------------------------
 
 
-def _mb(x) -> str:
-    return "-" if x is None else f"{x / 1e6:.1f}"
-
-
-def _x(r) -> str:
-    return "-" if r is None else f"{r:.2f}x"
-
-
 def _row(side: Side, pair: Pair | None) -> tuple[list[str], str]:
     if side.error:
         return [side.name, *["-"] * 14], f"ERROR {side.error}"
     cells = [
         side.name,
-        _mb(side.memory),
-        _mb(side.comm_bytes),
-        *[_mb(side.comm.get(k, (0, 0))[1]) for k in KINDS],
+        mb(side.memory),
+        mb(side.comm_bytes),
+        *[mb(side.comm.get(k, (0, 0))[1]) for k in KINDS],
         "-" if side.step_s is None else f"{side.step_s * 1e3:.0f}",
         "-" if side.loss is None else f"{side.loss:.6f}",
-        _mb(side.pred_memory),
-        _mb(side.pred_comm),
+        mb(side.pred_memory),
+        mb(side.pred_comm),
     ]
     if pair is None:
         return [*cells, "", "", ""], ""
     rel = pair.loss_rel
     note = "" if rel is None else ("loss ok" if rel <= LOSS_RTOL else "LOSS MISMATCH")
     note += "" if rel is None else f" (rel diff {rel:.1e})"
-    return [*cells, *(_x(pair.ratio(w)) for w in ("memory", "comm", "time"))], note
+    return [*cells, *(times(pair.ratio(w)) for w in ("memory", "comm", "time"))], note
 
 
 def table(bm: BenchModel, pairs: list[Pair], n: int) -> list[str]:
@@ -294,7 +286,7 @@ def target_lines(results) -> list[str]:
         for model, name, what, r, bound, met in targets(pairs):
             verdict = "n/a (a side failed)" if met is None else ("met" if met else "MISSED")
             data.append(
-                [model, name.removeprefix("jscaler "), what, _x(r), f"<= {bound}x", verdict]
+                [model, name.removeprefix("jscaler "), what, times(r), f"<= {bound}x", verdict]
             )
     return columns(["model", "jscaler", "measure", "ratio", "target", ""], data, left=3)
 

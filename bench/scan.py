@@ -24,7 +24,7 @@ import optax
 from bench.plain import Side, jscaler_side, plain_side
 from bench.plain_baselines import label
 from bench.plain_models import BUILDERS
-from bench.table import columns
+from bench.table import columns, mb, percent, times
 
 # (plan expression, the plain-JAX baseline beside it or None)
 PLANS = [
@@ -89,18 +89,6 @@ def run(small: bool = False, n: int = 8, plans=None, log=None) -> list[Row]:
     return rows
 
 
-def _mb(x) -> str:
-    return "-" if x is None else f"{x / 1e6:.1f}"
-
-
-def _x(r) -> str:
-    return "-" if r is None else f"{r:.2f}x"
-
-
-def _pct(r) -> str:
-    return "-" if r is None else f"{r:+.1%}"
-
-
 def table(rows: list[Row], small: bool, n: int) -> list[str]:
     bm = BUILDERS["llama-scan"](small)
     head = [
@@ -120,16 +108,16 @@ def table(rows: list[Row], small: bool, n: int) -> list[str]:
         data.append(
             [
                 r.plan,
-                _mb(r.listed.memory),
-                _mb(r.scanned.memory),
-                _x(r.ratio("memory")),
-                _mb(None if r.listed.error else r.listed.comm_bytes),
-                _mb(None if r.scanned.error else r.scanned.comm_bytes),
-                _x(r.ratio("comm")),
-                "-" if p is None else f"{_mb(p.memory)} ({p.name})",
-                _x(r.rules()),
-                _pct(r.error("memory")),
-                _pct(r.error("comm")),
+                mb(r.listed.memory),
+                mb(r.scanned.memory),
+                times(r.ratio("memory")),
+                mb(None if r.listed.error else r.listed.comm_bytes),
+                mb(None if r.scanned.error else r.scanned.comm_bytes),
+                times(r.ratio("comm")),
+                "-" if p is None else f"{mb(p.memory)} ({p.name})",
+                times(r.rules()),
+                percent(r.error("memory")),
+                percent(r.error("comm")),
             ]
         )
     errors = [

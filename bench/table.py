@@ -17,3 +17,18 @@ def columns(cols: list[str], data: list[list[str]], left: int = 1) -> list[str]:
     lines.append("-" * len(lines[-1]))
     lines.extend(fmt(d) for d in data)
     return lines
+
+
+def mb(x) -> str:
+    """Bytes as MB with one decimal; ``-`` for none."""
+    return "-" if x is None else f"{x / 1e6:.1f}"
+
+
+def times(r) -> str:
+    """A ratio as ``1.23x``; ``-`` for none."""
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def percent(r, digits: int = 1) -> str:
+    """A relative error as ``+1.2%``; ``-`` for none."""
+    return "-" if r is None else f"{r:+.{digits}%}"

@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass, field
 import jax
 import optax
 
-from bench.plain import Side, _error, _interleave, _static, jscaler_side
+from bench.plain import Side, _error, _interleave, _static, default_pairs, jscaler_side
 from bench.plain_baselines import BASELINES, label
-from bench.table import columns
+from bench.table import columns, percent, times
 from bench.variant_models import Variant, VariantModel, build, draw_many
 
 N_DEVICES = 8
@@ -55,17 +55,11 @@ PRED_MEMORY, PRED_COMM, PRED_SHARE = 0.10, 0.05, 0.95  # |error| bounds, share o
 
 
 def pairs(n: int = N_DEVICES):
-    """``[(key, plain baseline, jscaler label, plan)]``; auto has no baseline of its own."""
-    from spaces import dp, megatron, zero
-
+    """``[(key, plain baseline, jscaler label, plan)]``: ``bench plain``'s pairs; auto has
+    no baseline of its own here."""
     return [
-        ("dp", "dp", "dp()", dp()),
-        ("zero3", "fsdp", "zero(stage=3)", zero(stage=3)),
-        ("tp", "tp", f"megatron(tp={n})", megatron(tp=n)),
-        ("fsdp_tp", "fsdp_tp", f"megatron(tp={n // 2}, dp=2, zero=3)",
-         megatron(tp=n // 2, dp=2, zero=3)),
-        ("auto", None, 'plan="auto"', "auto"),
-    ]  # fmt: skip
+        (k, kind, name.removeprefix("jscaler "), plan) for k, kind, name, plan in default_pairs(n)
+    ]
 
 
 @dataclass
@@ -219,21 +213,13 @@ def run(seed: int, n_variants: int, n: int = N_DEVICES, steps: int = 3, keys=Non
         out.append(res)
         if log:
             cells = " ".join(
-                f"{k} {w[:3]} {_x(r.ratio(w))}" for k, w, _ in BOUNDS if (r := res.row(k))
+                f"{k} {w[:3]} {times(r.ratio(w))}" for k, w, _ in BOUNDS if (r := res.row(k))
             )
-            log(f"  {v.name}: {v.describe()}\n    {cells}; auto mem {_x(res.auto_memory)}")
+            log(f"  {v.name}: {v.describe()}\n    {cells}; auto mem {times(res.auto_memory)}")
     return out
 
 
 # ---- the summary ------------------------------------------------------------------------------
-
-
-def _x(r) -> str:
-    return "-" if r is None else f"{r:.2f}x"
-
-
-def _pct(r) -> str:
-    return "-" if r is None else f"{r:+.0%}"
 
 
 def per_variant(results: list[Result]) -> list[str]:
@@ -244,11 +230,11 @@ def per_variant(results: list[Result]) -> list[str]:
         cells = [res.variant.name]
         for key, what, _ in BOUNDS:
             r = res.row(key)
-            cells.append(_x(r and r.ratio(what)))
-        cells += [_x(res.auto_memory), _x(res.auto_time)]
+            cells.append(times(r and r.ratio(what)))
+        cells += [times(res.auto_memory), times(res.auto_time)]
         for what in ("memory", "comm"):
             errs = [e for r in res.rows if (e := r.error(what)) is not None]
-            cells.append(f"{_pct(min(errs))}..{_pct(max(errs))}" if errs else "-")
+            cells.append(f"{percent(min(errs), 0)}..{percent(max(errs), 0)}" if errs else "-")
         data.append(cells)
     return columns(cols, data)
 
@@ -297,16 +283,16 @@ def summary(results: list[Result]) -> list[str]:
             continue
         worst = max(vals, key=lambda t: t[0])
         ok = sum(x <= bound for x, _ in vals)
-        data.append([f"{key} {what}", _x(statistics.median(x for x, _ in vals)),
-                     f"{_x(worst[0])} ({worst[1].variant.name})", f"<= {bound}x",
+        data.append([f"{key} {what}", times(statistics.median(x for x, _ in vals)),
+                     f"{times(worst[0])} ({worst[1].variant.name})", f"<= {bound}x",
                      f"{ok}/{len(vals)}"])  # fmt: skip
     for name, get in (("auto mem / lowest plain", "auto_memory"),
                       ("auto time / fastest plain", "auto_time")):  # fmt: skip
         vals = [(getattr(r, get), r) for r in results if getattr(r, get) is not None]
         if vals:
             worst = max(vals, key=lambda t: t[0])
-            data.append([name, _x(statistics.median(x for x, _ in vals)),
-                         f"{_x(worst[0])} ({worst[1].variant.name})", "", ""])  # fmt: skip
+            data.append([name, times(statistics.median(x for x, _ in vals)),
+                         f"{times(worst[0])} ({worst[1].variant.name})", "", ""])  # fmt: skip
     lines += columns(["column", "median", "worst", "bound", "met"], data)
     for what, bound in (("memory", PRED_MEMORY), ("comm", PRED_COMM)):
         errs = [e for res in results for r in res.rows if (e := r.error(what)) is not None]
@@ -314,7 +300,8 @@ def summary(results: list[Result]) -> list[str]:
             within = sum(abs(e) <= bound for e in errs) / len(errs)
             lines.append(
                 f"cost model {what}: {within:.0%} of {len(errs)} rows within +-{bound:.0%} "
-                f"(target >= {PRED_SHARE:.0%}); range {_pct(min(errs))}..{_pct(max(errs))}"
+                f"(target >= {PRED_SHARE:.0%}); range "
+                f"{percent(min(errs), 0)}..{percent(max(errs), 0)}"
             )
     loss_bad = sum(bool(res.loss_misses()) for res in results)
     lines.append(f"losses equal to plain dp (rtol {LOSS_RTOL}): {len(results) - loss_bad}/"

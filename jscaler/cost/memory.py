@@ -177,10 +177,8 @@ def _find_backward_reads(graph) -> tuple[tuple, tuple]:
     producer = {t: op.id for op in graph.ops for t in op.outputs}
     reads, own = [], []
     # a softmax's ops are differentiated by its rule, which reads its output alone
-    # (jscaler.compile.softmax); in a scan's body the loop's checkpoint policy decides
-    # what is kept, the same with the rule or without (loop_residuals)
-    in_loop = {op.id for op in graph.ops if op.loop is not None}
-    chains = {k: v for k, v in softmax_chains(graph).items() if k not in in_loop}
+    # (jscaler.compile.softmax)
+    chains = softmax_chains(graph)
     in_chain = {i for _, _, ids in chains.values() for i in ids}
     for op in graph.ops:
         if op.primitive in NON_DIFFERENTIABLE or op.primitive in LINEAR:
