@@ -5,16 +5,9 @@ MQA, fused or separate projections, einsum or ``dot_product_attention``, masks, 
 learned positions, GELU / SwiGLU / MoE, tied or not, pre/post LayerNorm/RMSNorm, three
 losses, list or scan, a params pytree, nnx or linen). Per variant, on 8 simulated
 devices with AdamW, jscaler's plans beside the plain-JAX layout a user writes for each:
-
-==========================================  ============================================
-jscaler                                     plain JAX
-==========================================  ============================================
-``dp()``                                    ``plain dp`` (params replicated)
-``zero(stage=3)``                           ``plain fsdp`` (largest axis over 8 devices)
-``megatron(tp=8)``                          Megatron name rules, tp=8
-``megatron(tp=4, dp=2, zero=3)``            fsdp x tp rules, dp=2 x tp=4
-``plan="auto"``                             the lowest-memory and the fastest plain rows
-==========================================  ============================================
+``bench plain``'s pairs (:mod:`bench.plain`: dp / plain dp, zero(stage=3) / plain FSDP,
+megatron(tp=8) / Megatron name rules, megatron(tp=4, dp=2, zero=3) / FSDP x TP rules),
+and auto beside the lowest-memory and the fastest plain rows.
 
 The name rules replicate key/value projections whose heads tp does not divide, and split
 the embedding by vocabulary or by width, whichever leaves less memory (both compiled).
