@@ -441,18 +441,15 @@ def _run_op_named(low: Lowered, op: Op, env, have):
         return
     else:
         outs = _bind(op, ins)
-        rule = low.softmax.get(op.id)
-        if rule is not None and rule[0] in env:
-            # laid out first: the value its readers get is the one the rule keeps
-            (t,), (lay,) = op.outputs, lays.outputs
-            lay = output_layout(low, op, t, lay)
-            y = _constrain(low, outs[0], lay)
-            env[t], have[t] = with_softmax_rule(env[rule[0]], y, rule[1]), lay
-            return
     for t, v, lay in zip(op.outputs, outs, lays.outputs):
         lay = output_layout(low, op, t, lay)
         env[t] = _constrain(low, v, lay)
         have[t] = lay
+    rule = low.softmax.get(op.id)
+    if rule is not None and rule[0] in env:
+        # after its layout: the value its readers get is the one the rule keeps
+        (t,) = op.outputs
+        env[t] = with_softmax_rule(env[rule[0]], env[t], rule[1])
 
 
 def _run_partial(low: Lowered, op: Op, ins, lays: OpLayouts):

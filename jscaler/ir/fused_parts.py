@@ -24,7 +24,7 @@ import jax
 
 from jscaler.ir.build import Builder
 from jscaler.ir.graph import Graph, Literal, Op
-from jscaler.ir.unfuse import chain_to_weight, free_axis
+from jscaler.ir.unfuse import chain_to_weight, free_axis, on_view
 
 __all__ = ["cut_fused_parts"]
 
@@ -121,20 +121,17 @@ def _rewrite(graph, b: Builder, dot: Op, side: int, chain, cut, heads, outs) -> 
             operands = [x, y]
             operands[side] = jax.lax.slice_in_dim(operands[side], lo, hi, axis=w_axis)
             t = prim.bind(*operands, **params)
+            width = graph.tensors[dot.outputs[0]].shape[axis]
+
+            def cut(v):  # the part's slice of an operand spanning the fused axis
+                full = v.ndim and v.shape[axis] == width
+                return jax.lax.slice_in_dim(v, lo, hi, axis=axis) if full else v
+
             rest = iter(rest)
             prev = dot.outputs[0]
             for op in chain:
-                args = []
-                for a in op.inputs:
-                    if isinstance(a, Literal):
-                        args.append(a.value)
-                    elif a == prev:
-                        args.append(t)
-                    else:
-                        v = next(rest)
-                        full = v.ndim and v.shape[axis] == graph.tensors[prev].shape[axis]
-                        args.append(jax.lax.slice_in_dim(v, lo, hi, axis=axis) if full else v)
-                t = op.eqn.primitive.bind(*args, **op.eqn.primitive.get_bind_params(op.eqn.params))
+                n = sum(1 for a in op.inputs if not isinstance(a, Literal) and a != prev)
+                t = on_view(op, prev, cut)(t, *(next(rest) for _ in range(n)))
                 prev = op.outputs[0]
             if heads is not None:
                 t = jax.lax.reshape(

@@ -23,7 +23,7 @@ import jax
 from jscaler.ir.build import Builder
 from jscaler.ir.graph import Graph, Literal, Op
 
-__all__ = ["chain_to_weight", "free_axis", "unfuse_projections"]
+__all__ = ["chain_to_weight", "free_axis", "on_view", "unfuse_projections"]
 
 # ops allowed between the matmul and the split: the bias add, casts, scalings
 _CHAIN = {"add", "sub", "mul", "convert_element_type", "copy"}
@@ -157,7 +157,7 @@ def _rewrite(graph: Graph, b: Builder, dot: Op, side: int, chain: list[Op], spli
     prev = dot.outputs[0]
     for op in chain:
         (t,) = emit(
-            _on_view(op, prev, view_of), [t, *(x for x in op.tensor_inputs if x != prev)], op.path
+            on_view(op, prev, view_of), [t, *(x for x in op.tensor_inputs if x != prev)], op.path
         )
         prev = op.outputs[0]
 
@@ -172,7 +172,7 @@ def _rewrite(graph: Graph, b: Builder, dot: Op, side: int, chain: list[Op], spli
     b.rename_outputs(start, dict(zip(outs, split.outputs, strict=True)))
 
 
-def _on_view(op: Op, fused: int, view_of):
+def on_view(op: Op, fused: int, view_of):
     """``op`` as a function of its operand ``fused`` (already on the view) and its other
     tensor operands (in order, put on the view here); literals stay inline."""
     eqn = op.eqn
