@@ -5,6 +5,7 @@ the single-device reference (fp32 tolerances of jscaler.runtime.reference).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -281,7 +282,8 @@ def test_a_stage_forward_returns_no_copy_of_its_weights():
 def test_a_stage_backward_adds_into_its_donated_gradient_sum(schedule):
     """Past the first micro-batch, a stage's backward (zero-bubble's W) takes the sum of
     the earlier gradients donated and returns the new sum in its place: the driver holds
-    one accumulator per stage, never the old sum, the new gradients and their sum."""
+    one accumulator per stage, never the old sum, the new gradients and their sum; and
+    that accumulator is split over the stage's devices."""
     trainer = pipelined("mlp-tiny", megatron(pp=2), schedule, 4)
     stage = trainer.program.driver.stages[1]
     kind = "backward_weight" if schedule is zero_bubble else "backward"
@@ -300,4 +302,8 @@ def test_a_stage_backward_adds_into_its_donated_gradient_sum(schedule):
     for acc, out, memory in calls[1:]:
         assert all(a.is_deleted() for a in acc), "the accumulator was copied, not donated"
         grads = out[0] if kind == "backward" else out
-        assert memory.alias_size_in_bytes == sum(g.nbytes for g in grads)
+        local = sum(math.prod(g.sharding.shard_shape(g.shape)) * g.dtype.itemsize for g in grads)
+        assert memory.alias_size_in_bytes == local
+        # the sum is split over the stage's 4 data-parallel devices (each micro-batch's
+        # gradient reduce-scattered into it), not held whole on each
+        assert local * 4 == sum(g.nbytes for g in grads)

@@ -184,13 +184,17 @@ def _lookup_gather(op, x, lay, target, partial, lays, info, made, sizes):
     return out
 
 
-def comm_table(lowered, microbatches: int = 1) -> CommTable:
+def comm_table(lowered, microbatches: int = 1, accumulate: bool = False) -> CommTable:
     """The collectives one training step under ``lowered`` implies (see module doc);
-    computed once per lowering and micro-batch count."""
-    return lowered.memo((comm_table, microbatches), lambda: _comm_table(lowered, microbatches))
+    computed once per lowering, micro-batch count and ``accumulate`` (a pipeline stage's:
+    gradients reduced into :meth:`Lowered.accumulator`, not the plan's gradient layout)."""
+    return lowered.memo(
+        (comm_table, microbatches, accumulate),
+        lambda: _comm_table(lowered, microbatches, accumulate),
+    )
 
 
-def _comm_table(lowered, microbatches: int) -> CommTable:
+def _comm_table(lowered, microbatches: int, accumulate: bool = False) -> CommTable:
     from jscaler.compile.lower import output_layout
 
     plan = lowered.plan
@@ -275,7 +279,9 @@ def _comm_table(lowered, microbatches: int) -> CommTable:
     # a cotangent is reduced only where a gradient flows: not through a recycling pass
     # under stop_gradient, nor into integer values
     needs = {t for t in needs_grad(g) if jnp.issubdtype(jnp.dtype(g.tensors[t].dtype), jnp.inexact)}
-    grad_target = {t: lowered.grad[t] for t in lowered.grad}
+    grad_target = {
+        t: lowered.accumulator(t) if accumulate else lowered.grad[t] for t in lowered.grad
+    }
     region_seen: dict[int, set] = {}
     for op in g.ops:
         if op.primitive in NON_DIFFERENTIABLE or not any(t in needs for t in op.outputs):

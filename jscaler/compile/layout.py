@@ -18,7 +18,7 @@ from jscaler.errors import LayoutError
 from jscaler.ir.vtensor import Mask
 from jscaler.plan.mesh import MeshSpec
 
-__all__ = ["Layout", "layout_of", "reduced_layout", "replicated"]
+__all__ = ["Layout", "layout_of", "reduced_layout", "replicated", "spread_layout"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,25 @@ def reduced_layout(produced: Layout, want: Layout | None) -> Layout:
         if len(diff) == 1 and want.spec[diff[0]] == reduced.spec[diff[0]] + produced.partial:
             return want
     return reduced
+
+
+def spread_layout(layout: Layout, shape, axes: tuple[tuple[str, int], ...]) -> Layout:
+    """``layout`` split further over every mesh axis of ``axes`` (name, size) it does not
+    use, each on the first tensor axis that still divides: where a pipeline stage keeps
+    its running gradient sum (each micro-batch's gradient reduce-scattered into it, or
+    sliced where it is already whole on every device)."""
+    spec = [list(a) for a in layout.spec]
+    used = layout.axes_used()
+    sizes = dict(axes)
+    for name, size in axes:
+        if name in used or size == 1:
+            continue
+        for k, n in enumerate(shape):
+            parts = math.prod(sizes[a] for a in spec[k]) * size
+            if n % parts == 0:
+                spec[k].append(name)
+                break
+    return Layout(tuple(tuple(a) for a in spec))
 
 
 def layout_of(mesh: MeshSpec, shape: tuple[int, ...], masks: dict[int, Mask], what: str) -> Layout:

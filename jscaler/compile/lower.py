@@ -32,7 +32,7 @@ from jax._src import source_info_util
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from jscaler.compile.layout import Layout, layout_of, reduced_layout, replicated
+from jscaler.compile.layout import Layout, layout_of, reduced_layout, replicated, spread_layout
 from jscaler.compile.local import first_group, ragged_piece, transition, vary, varying
 from jscaler.compile.regions import manual_regions
 from jscaler.compile.reshard import loop_regathers, reshard_units, run_resharded
@@ -106,6 +106,14 @@ class Lowered(Memoized):
 
     def sharding(self, layout: Layout) -> NamedSharding:
         return NamedSharding(self.mesh, layout.pspec())
+
+    def accumulator(self, t: int) -> Layout:
+        """Where a pipeline stage keeps parameter ``t``'s gradient summed over the
+        micro-batches: its gradient layout split over every mesh axis that leaves whole
+        (:func:`spread_layout`), so each micro-batch's gradient is reduce-scattered into
+        it (or sliced, where it is whole on every device) rather than all-reduced."""
+        g = self.plan.pgraph.graph
+        return spread_layout(self.grad[t].reduced, g.tensors[t].shape, self.plan.mesh.axes)
 
     def input_shardings(self) -> list[NamedSharding]:
         g = self.plan.pgraph.graph

@@ -582,17 +582,19 @@ def _holds_cotangents(g, op) -> bool:
     return True
 
 
-def reduced_bytes(low, t: int, cl: Cluster) -> float:
+def reduced_bytes(low, t: int, cl: Cluster, into: Layout | None = None) -> float:
     """Bytes (per device, before dtype scaling) the reduction of parameter ``t``'s
     gradient writes: its reduced layout's; or, on a backend without a reduce-scatter
     (``cl.reduce_scatter``: XLA's CPU backend all-reduces, then slices), the whole
     gradient's where the parameter is stored sharded and gathered for the forward (ZeRO-3,
     whose gradients leave the resharded layers through optimization barriers). Measured on
     XLA CPU: ZeRO-3's all-reduce writes a second whole copy; ZeRO-2's (a replicated
-    parameter) reuses its operand's buffer, so only the reduced slice is new."""
+    parameter) reuses its operand's buffer, so only the reduced slice is new. ``into``:
+    the layout the reduction leaves (default the plan's gradient layout; a pipeline
+    stage's accumulator)."""
     g = low.plan.pgraph.graph
     sizes = low.plan.mesh.shape
-    out = local_bytes(g, t, low.grad[t], sizes)
+    out = local_bytes(g, t, low.grad[t] if into is None else into, sizes)
     if cl.reduce_scatter:
         return out
     whole = local_bytes(g, t, unreduced_grad(low, t), sizes)

@@ -12,9 +12,10 @@ of the slowest group: parameter gradients accumulate over the micro-batches and 
 reduced once after the pipeline drains, then the update runs. Each group's plan covers
 the whole graph; a group is charged only the collectives of its own stages and of the
 parameters they read. Collective bytes count what the runtime runs: each micro-batch's
-backward program reduces its stage's parameter gradients (the timing above still
-assumes one reduction per step, as Megatron-LM accumulates before reducing). Memory per
-device: the parameter copies and gradients of its group's stages plus each stage's kept
+backward program reduce-scatters its stage's parameter gradients into the stage's
+accumulator (``Lowered.accumulator``; the timing above still assumes one reduction per
+step, as Megatron-LM accumulates before reducing). Memory per device: the parameter
+copies, the gradients as made and the accumulator of its group's stages plus each stage's kept
 activations times the micro-batches the schedule holds in flight there, summed over the
 groups a device belongs to; plus, once, the update's share of the master parameters and
 optimizer state, which the runtime splits over every pipeline device.
@@ -286,7 +287,7 @@ def _costs(plan, sched, cl, microbatches, dtype, algorithm, expert_skew) -> _Cos
         moved[gi] = 0
         combined = Combined(cl, algorithm)  # gradient reductions, ZeRO all-gathers
         from_params = from_params_only(pg.graph)
-        for r in comm_table(low, 1).rows:
+        for r in comm_table(low, 1, accumulate=True).rows:
             role = pg.graph.tensors[r.tensor].role
             s, k = where(r.tensor)
             if role == "param" and r.phase == "backward":
@@ -392,11 +393,24 @@ def _group_memory(
     read = {x for o in mine for x in o.tensor_inputs}
     params = [t for t in low.update if t in read]
     p_bytes = sum(size(t, low.storage[t]) for t in params)
-    # a micro-batch's backward program holds its gradients unreduced and reduced, beside
-    # the sum over the earlier micro-batches (donated into it), with every residual in flight
-    grads = sum(size(t, unreduced_grad(low, t)) + reduced_bytes(low, t, cl) for t in params)
+    # a micro-batch's backward program holds its gradients unreduced and reduced into the
+    # stage's accumulator layout, beside the sum over the earlier micro-batches (donated
+    # into it, split over the group's devices: Stage.accumulators). Without a native
+    # reduce-scatter (XLA CPU) the reduction writes the whole gradient, then slices it
+    # (measured: swin-tiny megatron(pp=2), stage 1, 2.0x its gradients in temp). Where the
+    # gradient is made split over every axis (tp alone), nothing is reduced: it is added
+    # into the accumulator as made (measured: the variant bench's megatron(tp=4, pp=2))
+    acc = {t: low.accumulator(t) for t in params}
+    into = acc if cl.reduce_scatter else dict.fromkeys(params)
+
+    def written(t) -> float:
+        if unreduced_grad(low, t) == acc[t]:
+            return 0.0
+        return reduced_bytes(low, t, cl, into[t])
+
+    grads = sum(size(t, unreduced_grad(low, t)) + written(t) for t in params)
     if sched.microbatches > 1:
-        grads += sum(size(t, low.grad[t]) for t in params)
+        grads += sum(size(t, acc[t]) for t in params)
     # a parameter read by several of the group's ops (T5's embedding: both lookups and
     # the tied LM head) has each reader's gradient contribution and their sum live, as in
     # one SPMD step (memory.shared_params)

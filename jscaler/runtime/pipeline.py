@@ -5,8 +5,9 @@ data dependencies and every group's own order (:meth:`Schedule.order`); JAX disp
 each program asynchronously, so groups run concurrently. Activations and their gradients
 move between groups' meshes with ``jax.device_put``. Parameter gradients accumulate per
 stage over micro-batches, into an accumulator each backward program takes donated and
-adds to; a parameter read by several stages (a tied embedding and LM head) lives on each
-of them and its gradients are summed.
+reduce-scatters into (split over the group's devices: ``Lowered.accumulator``); a
+parameter read by several stages (a tied embedding and LM head) lives on each of them
+and its gradients are summed.
 
 The optimizer sees the whole tree in one program over every pipeline device: master
 parameters and optimizer state are sharded over all of them (ZeRO-1 across the

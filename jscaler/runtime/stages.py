@@ -73,6 +73,13 @@ class Stage:
     def sharding(self, t: int) -> NamedSharding:
         return self.low.sharding(self.layout(t))
 
+    @cached_property
+    def accumulators(self) -> list[NamedSharding]:
+        """Per parameter, where the stage keeps its gradient sum over the micro-batches
+        (:meth:`Lowered.accumulator`: split over every device of the group); the handoff
+        reduces it once more, across stages, for the update."""
+        return [self.low.sharding(self.low.accumulator(t)) for t in self.params]
+
     # ---- the forward --------------------------------------------------------------------
 
     def _fn(self, params, acts, frozen, state, batch):
@@ -144,7 +151,7 @@ class Stage:
 
         def run(acc, held, kept, cot):
             d_params, d_acts = bwd(self._vjp(held, kept), cot)
-            return _accumulate(acc, d_params), d_acts
+            return _accumulate(acc, d_params, self.accumulators), d_acts
 
         return jax.jit(run, donate_argnums=0)
 
@@ -160,14 +167,15 @@ class Stage:
         bwd = self._fwd_bwd[1]
 
         def run(acc, held, kept, cot):
-            return _accumulate(acc, bwd(self._vjp(held, kept), cot)[0])
+            return _accumulate(acc, bwd(self._vjp(held, kept), cot)[0], self.accumulators)
 
         return jax.jit(run, donate_argnums=0)
 
 
-def _accumulate(acc, grads):
-    """``acc + grads`` leaf by leaf, inside a stage's backward program (``acc``: None for
-    the first micro-batch)."""
+def _accumulate(acc, grads, shardings):
+    """``acc + grads`` leaf by leaf in the accumulators' layouts, inside a stage's backward
+    program (``acc``: None for the first micro-batch)."""
+    grads = [jax.lax.with_sharding_constraint(g, sh) for g, sh in zip(grads, shardings)]
     return grads if acc is None else [a + g for a, g in zip(acc, grads)]
 
 
