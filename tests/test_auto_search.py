@@ -210,7 +210,9 @@ def test_a_space_that_finds_nothing_fits_tries_more_microbatches(tmp_path, monke
     monkeypatch.setenv("JSCALER_CACHE_DIR", str(tmp_path))
     mesh = jscaler.MeshSpec.create(d=N)
     one, two = (build_problem(graph_of("gpt-tiny", m), mesh, CLUSTER) for m in (1, 2))
-    capacity = least_memory(two.memory, two.peaks) * 1.05
+    # least_memory is a lower bound: it leaves out the activations a reader keeps gathered
+    # (Problem.regathers), which the leanest choice of two micro-batches holds (1.29x)
+    capacity = least_memory(two.memory, two.peaks) * 1.4
     assert least_memory(one.memory, one.peaks) > capacity
     ilp = Candidate("ilp", intra_op({"d": N}, CLUSTER, cache=False), state_shards=N)
     result = search(
@@ -271,8 +273,10 @@ def test_one_search_solves_the_same_ilp_problem_once(tmp_path, monkeypatch):
 
 def test_a_problem_nothing_fits_fails_before_its_edges_as_the_solver_would():
     """Below the least memory any strategy choice needs (every cluster's leanest, with
-    each phase beside what is kept), building fails fast with the solver's error; just
-    above it, CP-SAT finds a plan (the most split strategies are leanest in every phase)."""
+    each phase beside what is kept), building fails fast with the solver's error. That
+    bound leaves out the activations a reader keeps gathered (``Problem.regathers``, a
+    pair of choices' cost): gpt-tiny's leanest choice holds 1.27x it, and the solver
+    finds it there."""
     graph = graph_of("gpt-tiny", 1)
     mesh = jscaler.MeshSpec.create(d=N)
     full = build_problem(graph, mesh, CLUSTER)
@@ -287,7 +291,10 @@ def test_a_problem_nothing_fits_fails_before_its_edges_as_the_solver_would():
     assert fits_at_all(full.memory, least * 1.001, full.peaks)
     tight = build_problem(graph, mesh, CLUSTER, capacity=least * 1.001, fail_fast=True)
     assert tight.edges == full.edges and tight.memory == full.memory
-    assert solve(tight, time_limit=3.0).memory <= least * 1.001
+    with pytest.raises(jscaler.OutOfMemoryError):  # every choice gathers something
+        solve(tight, time_limit=3.0)
+    room = build_problem(graph, mesh, CLUSTER, capacity=least * 1.3)
+    assert least * 1.2 < solve(room, time_limit=3.0).memory <= least * 1.3
 
 
 def test_the_winner_is_the_plan_its_candidate_makes_again():

@@ -82,12 +82,14 @@ def gpt_graph():
 
 @pytest.fixture(scope="module")
 def hard_problem(gpt_graph):
-    """gpt-tiny at 8 devices with 5% more memory than its leanest choice: HiGHS needs about
-    250 limit checks and 8 s of this machine to prove its optimum."""
+    """gpt-tiny at 8 devices with barely more memory than its leanest choice: 1.28x the
+    lower bound of :func:`least_memory`, which leaves out the activations gathered again
+    for a reader (the leanest choice needs 1.27x; 1.265x fits none). HiGHS does not prove
+    its optimum within a second of work."""
     mesh = MeshSpec.create(d=8)
     free = build_problem(gpt_graph, mesh, "dgx2_v100")
     least = least_memory(free.memory, free.peaks)
-    return build_problem(gpt_graph, mesh, "dgx2_v100", capacity=1.05 * least)
+    return build_problem(gpt_graph, mesh, "dgx2_v100", capacity=1.28 * least)
 
 
 def test_the_ilp_stops_at_a_work_limit_that_load_does_not_move(hard_problem, monkeypatch):
@@ -219,6 +221,21 @@ def test_the_solvers_memory_is_the_estimates(gpt_graph, recompute, cluster):
     phases = [sum(r[sol.choice[c]] for c, r in pk.items()) for pk in problem.peaks]
     assert sol.memory == pytest.approx(kept + max(0, *phases))
     assert sol.memory == pytest.approx(estimate(plan, cluster).memory["total"], rel=1e-3)
+
+
+def test_activations_gathered_for_a_reader_are_counted_as_the_estimate_counts_them(
+    hard_problem,
+):
+    """Near its leanest memory, gpt-tiny's choice splits activations that a matmul reads
+    gathered: the backward keeps each gathered copy (once per layout), and the solver's
+    memory of that choice is the estimate's of its plan. Without these copies the solver
+    found choices at 1.05x its lower bound that need 1.27x once the copies are held."""
+    sol = solve(hard_problem, time_limit=1.0)
+    gathered = sum(b for r in hard_problem.regathers for b in r.layouts(sol.choice).values())
+    assert gathered > 0
+    plan = to_plan(hard_problem, sol)
+    assert sol.memory == pytest.approx(estimate(plan, "dgx2_v100").memory["total"], rel=1e-3)
+    assert sol.memory <= hard_problem.capacity
 
 
 def test_a_tied_parameter_is_counted_as_the_lowering_stores_it():

@@ -49,10 +49,12 @@ __all__ = [
     "holds_cotangents",
     "local_bytes",
     "memory_breakdown",
+    "nonlinear_readers",
     "ragged_expansions",
     "recompute_groups",
     "recomputed_ops",
     "reduced_bytes",
+    "regathered_bytes",
     "saved_for_backward",
     "shared_params",
     "spmd_memory",
@@ -274,6 +276,7 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
         saved = fused_kept(g, saved, unit_edges(g, units)) - dropped
     in_loops = {t for o in g.ops if o.loop is not None for t in o.outputs}
     kept = {t: size(t, produced[t]) for t in saved if t in produced and t not in in_loops}
+    regathered = regathered_bytes(low, g, kept, sizes, units)
     looped, iteration = loop_residuals(low, g, sizes)
     kept.update(looped)
     work = max(
@@ -284,10 +287,10 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
     )
     # the backward's own buffers where it starts, or a recomputed layer's working set
     extra = cotangent_extra(low, g, g.ops, kept, cl.fuses_elementwise)
-    acts = scale * (sum(kept.values()) + max(work, extra))
+    acts = scale * (sum(kept.values()) + regathered + max(work, extra))
     if not cl.native_ragged_dot:
         masks = not cl.fuses_elementwise
-        acts = scale * _dense_ragged_peak(low, g, kept, work, extra, masks)
+        acts = scale * (_dense_ragged_peak(low, g, kept, work, extra, masks) + regathered)
     reduced = state * sum(reduced_bytes(low, t, cl) for t in low.grad)
     reduced += state * sum(
         2 * (len(readers) - 1) * size(t, unreduced_grad(low, t))
@@ -295,6 +298,58 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
         if t in low.grad
     )
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
+
+
+def nonlinear_readers(graph) -> dict[int, tuple[tuple[int, int], ...]]:
+    """activation -> ``(reader op id, input position)`` per non-linear differentiable op
+    outside any scan that reads it for a gradient (a matmul's operand, a norm's input):
+    where such a reader reads it in a larger layout than it was made in, the backward
+    keeps that gathered copy (:func:`regathered_bytes`). Once per graph."""
+
+    def make():
+        reads, _ = _backward_reads(graph)
+        by_id = {o.id: o for o in graph.ops}
+        out: dict[int, list] = {}
+        for t, made, r in reads:
+            reader = by_id[r]
+            src = by_id.get(made)
+            # ZeRO-3's gathers ("identity": a stored weight made whole for its reader) are
+            # counted as reshard_units drops or keeps them
+            if src is None or src.kind == "identity" or reader.loop or src.loop:
+                continue
+            for k, x in enumerate(reader.inputs):
+                if x == t and (r, k) not in out.get(t, ()):
+                    out.setdefault(t, []).append((r, k))
+        return {t: tuple(rs) for t, rs in out.items()}
+
+    return graph.memo((nonlinear_readers,), make)
+
+
+def regathered_bytes(low, g, kept: Mapping[int, float], sizes, units: Mapping[int, object]):
+    """Bytes one device keeps beyond ``kept`` (activation -> bytes as made, outside scans)
+    where a non-linear reader outside any recomputed unit reads a kept value in a larger
+    layout than it was made in: the copy gathered for it, once per distinct layout (the
+    readers of one gathered value share it). jax saves a matmul's operand, which is the
+    gathered copy, and XLA holds it until the weight's gradient: under sequence
+    parallelism the norm's output split along the sequence and all-gathered for the
+    column-parallel matmuls after it (variant 49 of seed 20261207, ``megatron(tp=8,
+    sp=True)``: predicted 7.34 MB without these, XLA 9.47 MB). The value as made is
+    counted too. The search's :class:`~jscaler.search.problem.Regather` counts the same."""
+    total = 0.0
+    for t, readers in nonlinear_readers(g).items():
+        base = kept.get(t)
+        if base is None:
+            continue
+        larger = {}
+        for r, k in readers:
+            if units.get(r) is not None:
+                continue
+            lay = low.ops[r].inputs[k]
+            b = local_bytes(g, t, lay.reduced if lay.partial else lay, sizes)
+            if b > base:
+                larger[lay.spec] = b
+        total += sum(larger.values())
+    return total
 
 
 # ops whose backward is two contractions (input and weight gradients), and whose outputs

@@ -16,7 +16,10 @@ layer's backward, an op's cotangents, the gradient reduction:
 memory terms rounded to :func:`~jscaler.search.problem.memory_unit` as
 :func:`~jscaler.search.problem.fits_at_all` counts them. A tied parameter read in different
 layouts adds ``d[t, s] >= x[first, s] - sum x[reader, agreeing]`` and its
-:class:`~jscaler.search.problem.Tied` costs. The LP relaxation of this model is tight on
+:class:`~jscaler.search.problem.Tied` costs. An activation a reader may keep gathered
+(:class:`~jscaler.search.problem.Regather`) adds a ``g[v, layout]`` per layout, at least
+the ``e`` of each reader's edge that gather it into that layout, its bytes in the memory
+row: one copy per layout, however many readers share it. The LP relaxation of this model is tight on
 most graphs, which is why an LP-based branch and bound solves paper-scale problems (tens
 of thousands of variables) in seconds where a SAT search does not. So tight that the
 relaxation alone often settles it: :meth:`Milp.solve` solves it first (dual simplex, no
@@ -101,8 +104,22 @@ class Milp:
         x = self.x
         for c, st in enumerate(p.strategies):
             row([(x(c, s), 1.0) for s in range(len(st))], 1.0, 1.0)
+        # regathered values: per edge (producer, reader), (value, layout, producer
+        # strategies making it smaller than that layout, reader strategies reading it so)
+        gathers: dict[tuple[int, int], list] = {}
+        for k, r in enumerate(p.regathers):
+            for spec, b in r.options().items():
+                smaller = frozenset(i for i, m in enumerate(r.made) if b > r.count * m)
+                for c, per in r.readers:
+                    reads = frozenset(j for j, (sp, _) in enumerate(per) if sp == spec)
+                    if reads and smaller:
+                        gathers.setdefault((r.cluster, c), []).append((k, spec, smaller, reads))
+        pairs: dict[tuple, set[int]] = {}  # (value, layout, reader) -> e variables covered
         for (a, b), mat in sorted(p.edges.items()):
-            ia, ib = _alike(mat), _alike(list(zip(*mat)))
+            marks = gathers.get((a, b), ())
+            ia = _alike([(*r, *(i in m[2] for m in marks)) for i, r in enumerate(mat)])
+            cols = list(zip(*mat))
+            ib = _alike([(*c, *(j in m[3] for m in marks)) for j, c in enumerate(cols)])
             first, na, nb = n, len(ia), len(ib)
             n += na * nb
             cost += [mat[i[0]][j[0]] * US for i in ia for j in ib]
@@ -112,6 +129,14 @@ class Milp:
             for c, j in enumerate(ib):
                 into = [(first + k * nb + c, 1.0) for k in range(na)]
                 row(into + [(x(b, s), -1.0) for s in j], 0, 0)
+            for v, spec, smaller, reads in marks:
+                pairs.setdefault((v, spec, b), set()).update(
+                    first + k * nb + c
+                    for k, i in enumerate(ia)
+                    if i[0] in smaller
+                    for c, j in enumerate(ib)
+                    if j[0] in reads
+                )
         self.apart = []  # per tied parameter: its d variables per strategy
         for tie in p.tied:
             d = list(range(n, n + len(tie.seconds)))
@@ -122,6 +147,29 @@ class Milp:
                     row([(v, 1.0), (x(tie.cluster, s), -1.0)] + [(x(c, j), 1.0) for j in same[s]],
                         0.0, np.inf)  # fmt: skip
             self.apart.append(d)
+        # per regathered value, {layout: its g variable}: g >= the e variables of each
+        # reader's edge where the reader reads it in that layout and its producer makes it
+        # smaller (the pair products: as tight as the edges' own rows); without an edge,
+        # g >= x[reader, J] + x[producer, I] - 1
+        self.gathered = []
+        for k, r in enumerate(p.regathers):
+            gs = {}
+            for spec, b in r.options().items():
+                gs[spec] = n
+                n += 1
+                cost.append(0.0)
+                smaller = [i for i, m in enumerate(r.made) if b > r.count * m]
+                for c, per in r.readers:
+                    reads = [j for j, (sp, _) in enumerate(per) if sp == spec]
+                    if not reads or not smaller:
+                        continue
+                    if (r.cluster, c) in p.edges:
+                        es = sorted(pairs.get((k, spec, c), ()))
+                        row([(gs[spec], 1.0)] + [(e, -1.0) for e in es], 0.0, np.inf)
+                    else:
+                        row([(gs[spec], 1.0)] + [(x(c, j), -1.0) for j in reads]
+                            + [(x(r.cluster, i), -1.0) for i in smaller], -1.0, np.inf)  # fmt: skip
+            self.gathered.append(gs)
         self.z, self.w = n, n + 1
         n += 2
         cost += [1.0, 0.0]
@@ -130,6 +178,11 @@ class Milp:
         if p.capacity is not None:
             kept = [(x(c, s), self._units(p.memory[c][s])) for c, s in self._pairs()]
             kept += self._ties("kept")
+            kept += [
+                (gs[spec], self._units(b))
+                for r, gs in zip(p.regathers, self.gathered)
+                for spec, b in r.options().items()
+            ]
             row([*kept, (self.w, 1.0)], -np.inf, float(p.capacity // self.unit))
         self.n, self.cost, self.rows, self.lo, self.hi = n, np.array(cost), rows, lo, hi
 
@@ -158,6 +211,7 @@ class Milp:
         cap = p.capacity // self.unit
         _, totals = phase_totals(p.memory, p.peaks, self._units, max)
         ties = sum(max([0.0, *(self._units(b) for b in t.kept)]) for t in p.tied)
+        ties += sum(self._units(b) for r in p.regathers for b in r.options().values())
         grads = sum(max([0.0, *(self._units(b) for b in t.held)]) for t in p.tied)
         last = len(totals) - 1
         return [k for k, t in enumerate(totals) if t + ties + (grads if k == last else 0.0) > cap]
@@ -245,6 +299,7 @@ class Milp:
         if p.capacity is None:
             return True
         kept = sum(self._units(p.memory[c][s]) for c, s in enumerate(choice))
+        kept += sum(self._units(b) for r in p.regathers for b in r.layouts(choice).values())
         grads = 0.0  # tied parameters read apart: their gradients join the last phase
         for tie in (t for t in p.tied if t.apart(choice)):
             kept += self._units(tie.kept[choice[tie.cluster]])

@@ -17,6 +17,10 @@ strategy per op fixes every tensor's layout on the mesh, hence:
 * a **memory** per (op, strategy): the activations it keeps for the backward pass and,
   for the first reader of a parameter, the parameter, its gradient and optimizer state in
   the layout that reader wants (parameters are stored as read);
+* a **regathered** value per activation a non-linear op reads in a larger layout than its
+  producer made it in (sequence parallelism's norm output, gathered for the matmuls
+  after it): the backward keeps that copy, once per distinct layout
+  (:class:`Regather`; the estimate's ``regathered_bytes``);
 * a **peak** per phase of the step beyond what is kept throughout, as the estimate has
   them: each recomputed layer's backward (the values of the layer the backward reads,
   made again by its recomputed forward: the estimate's working set), the backward's own
@@ -60,6 +64,7 @@ from jscaler.cost.memory import (
     carries_cotangent,
     holds_cotangents,
     local_bytes,
+    nonlinear_readers,
     saved_for_backward,
     shared_params,
     unit_edges,
@@ -72,6 +77,7 @@ from jscaler.plan.mesh import MeshSpec
 
 __all__ = [
     "Problem",
+    "Regather",
     "Strategy",
     "Tied",
     "build_problem",
@@ -114,6 +120,36 @@ class Tied:
         return any(choice[c] not in same[s] for c, same in self.agree)
 
 
+@dataclass(frozen=True)
+class Regather:
+    """An activation non-linear ops read for a gradient, some in a larger layout than its
+    producer may make it in: the backward keeps each such reader's gathered copy (jax
+    saves the matmul's operand), once per distinct layout, beside the value as made
+    (counted with its producer). ``count`` such values alike (the same position in each
+    repeated layer)."""
+
+    cluster: int  # its producer's
+    made: tuple[float, ...]  # per strategy of ``cluster``: its bytes as made
+    # per reader: (its cluster, per strategy: (the layout it reads the value in, bytes))
+    readers: tuple[tuple[int, tuple[tuple[tuple, float], ...]], ...]
+    count: int = 1
+
+    def layouts(self, choice) -> dict[tuple, float]:
+        """The gathered copies kept under ``choice``: layout -> bytes (of all ``count``)."""
+        made = self.made[choice[self.cluster]]
+        out = {}
+        for c, per in self.readers:
+            spec, b = per[choice[c]]
+            if b > made:
+                out[spec] = self.count * b
+        return out
+
+    def options(self) -> dict[tuple, float]:
+        """Every layout some choice may keep a gathered copy in -> its bytes (all ``count``)."""
+        least = min(self.made)
+        return {spec: self.count * b for _, per in self.readers for spec, b in per if b > least}
+
+
 @dataclass
 class Problem:
     """Clusters of ops with their strategies and costs; see the module doc."""
@@ -134,6 +170,7 @@ class Problem:
     # distinct recomputed layer's backward, and last the gradient reduction's
     peaks: list = field(default_factory=list)
     tied: tuple[Tied, ...] = ()  # parameters several ops read, where their layouts matter
+    regathers: tuple[Regather, ...] = ()  # activations kept again as gathered for a reader
 
     @property
     def size(self) -> int:
@@ -148,6 +185,7 @@ def objective(p: Problem, choice: list[int]) -> tuple[float, float]:
     hidden = sum(p.hidden[c][s] for c, s in enumerate(choice))
     t += max(0.0, hidden - sum(p.backward[c][s] for c, s in enumerate(choice)))
     mem = sum(p.memory[c][s] for c, s in enumerate(choice))
+    mem += sum(b for r in p.regathers for b in r.layouts(choice).values())
     phases = [sum(row[choice[c]] for c, row in pk.items()) for pk in p.peaks]
     for tie in p.tied:
         if tie.apart(choice):
@@ -517,10 +555,42 @@ def build_problem(
                 old = edges[key]
                 mat = [[u + v for u, v in zip(r1, r2)] for r1, r2 in zip(old, mat)]
             edges[key] = mat
+    regathers = _regathers(graph, mesh, ops, where, strategies, saved, recomputed, scale)
     return Problem(
         graph, mesh, cl, clusters, strategies, node, hidden, backward, memory, edges, capacity,
-        zeros, peaks, tuple(ties),
+        zeros, peaks, tuple(ties), regathers,
     )  # fmt: skip
+
+
+def _regathers(graph, mesh, ops, where, strategies, saved, recomputed, scale) -> tuple:
+    """:attr:`Problem.regathers`: per kept activation (made and read outside scans) that a
+    non-linear reader outside the recomputed layers may read in a larger layout than its
+    producer may make it in, its :class:`Regather`; alike ones (a position in each
+    repeated layer) counted together."""
+    sizes = mesh.shape
+    found: dict[tuple, int] = {}
+    for t, reads in nonlinear_readers(graph).items():
+        if t not in saved:
+            continue
+        src = graph.producer(t)
+        a, k = where[src.id], src.outputs.index(t)
+        made = tuple(
+            scale * local_bytes(graph, t, _reduced(graph, src, k, s, mesh), sizes)
+            for s in strategies[a]
+        )
+        readers = set()
+        for r, j in reads:
+            if r in recomputed:
+                continue
+            c = where[r]
+            lays = [_reduced(graph, ops[r], j, s, mesh, inputs=True) for s in strategies[c]]
+            per = tuple((lay.spec, scale * local_bytes(graph, t, lay, sizes)) for lay in lays)
+            if any(b > min(made) for _, b in per):
+                readers.add((c, per))
+        if readers:
+            key = (a, made, tuple(sorted(readers)))
+            found[key] = found.get(key, 0) + 1
+    return tuple(Regather(a, made, readers, n) for (a, made, readers), n in found.items())
 
 
 def _agreeing(graph, mesh, x, first, lays, readers, where, strategies) -> tuple:
@@ -639,8 +709,8 @@ def fits_at_all(memory: list[list[float]], capacity: float, peaks=()) -> bool:
     """Whether some strategy choice may meet the solver's memory constraint, in its units
     (each term's bytes rounded to :func:`memory_unit`, the capacity rounded down): every
     cluster's leanest strategy, with each phase's bytes beside its kept ones, a tied
-    parameter split (a lower bound: exact where one choice is the leanest in every phase,
-    as it is where the most split strategy holds least throughout)."""
+    parameter split, no activation kept gathered for a reader (a lower bound: exact where
+    one choice is the leanest in every phase and gathers nothing)."""
     unit = memory_unit(capacity)
     return _least(memory, peaks, lambda b: round(b / unit)) <= int(capacity // unit)
 
