@@ -82,14 +82,14 @@ def gpt_graph():
 
 @pytest.fixture(scope="module")
 def hard_problem(gpt_graph):
-    """gpt-tiny at 8 devices with barely more memory than its leanest choice: 1.28x the
+    """gpt-tiny at 8 devices with little more memory than its leanest choice: 1.31x the
     lower bound of :func:`least_memory`, which leaves out the activations gathered again
-    for a reader (the leanest choice needs 1.27x; 1.265x fits none). HiGHS does not prove
-    its optimum within a second of work."""
+    for a reader (the leanest choice needs 1.27x; 1.265x fits none; the greedy choice
+    1.28x). HiGHS does not prove its optimum within a second of work (2 s to prove it)."""
     mesh = MeshSpec.create(d=8)
     free = build_problem(gpt_graph, mesh, "dgx2_v100")
     least = least_memory(free.memory, free.peaks)
-    return build_problem(gpt_graph, mesh, "dgx2_v100", capacity=1.28 * least)
+    return build_problem(gpt_graph, mesh, "dgx2_v100", capacity=1.31 * least)
 
 
 def test_the_ilp_stops_at_a_work_limit_that_load_does_not_move(hard_problem, monkeypatch):

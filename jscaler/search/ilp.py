@@ -75,8 +75,8 @@ def descent(p: Problem, choice: tuple[int, ...], sweeps: int = 8) -> tuple[int, 
     """``choice`` improved one cluster at a time (coordinate descent on the step time: its
     node cost and parameter-gradient reduction, and its edges' conversions with its
     neighbours' strategies as they stand), a cluster moving only to a strategy that holds
-    no more than its own in the kept state and in every phase, so a choice that fits
-    keeps fitting. The solver's answer where HiGHS, cut short, found nothing better."""
+    no more than its own in the kept state, in every phase and in the activations kept
+    gathered between it and its neighbours, so a choice that fits keeps fitting. The solver's answer where HiGHS, cut short, found nothing better."""
     near: list[list[tuple[list, bool, int]]] = [[] for _ in p.strategies]
     for (a, b), mat in p.edges.items():
         near[a].append((mat, True, b))
@@ -86,6 +86,7 @@ def descent(p: Problem, choice: tuple[int, ...], sweeps: int = 8) -> tuple[int, 
         for c, row in pk.items():
             rows[c].append(row)
     choice = list(choice)
+    touching = _regathers_of(p)
     for _ in range(sweeps):
         moved = False
         for c, own in enumerate(p.node):
@@ -99,8 +100,14 @@ def descent(p: Problem, choice: tuple[int, ...], sweeps: int = 8) -> tuple[int, 
                 return t
 
             now = choice[c]
+            held = _gathered(touching[c], choice, c, now)
             best = min(
-                (s for s in range(len(own)) if all(r[s] <= r[now] for r in rows[c])),
+                (
+                    s
+                    for s in range(len(own))
+                    if all(r[s] <= r[now] for r in rows[c])
+                    and _gathered(touching[c], choice, c, s) <= held
+                ),
                 key=lambda s: (cost(s), s),
             )
             if cost(best) < cost(now):
@@ -110,9 +117,56 @@ def descent(p: Problem, choice: tuple[int, ...], sweeps: int = 8) -> tuple[int, 
     return tuple(choice)
 
 
+def _regathers_of(p: Problem) -> list[list]:
+    """Per cluster, the :class:`~jscaler.search.problem.Regather` s it makes or reads."""
+    out: list[list] = [[] for _ in p.strategies]
+    for r in p.regathers:
+        for c in {r.cluster, *(c for c, _ in r.readers)}:
+            out[c].append(r)
+    return out
+
+
+def _gathered(regathers, choice: list[int], c: int, s: int) -> float:
+    """The bytes ``regathers`` keep gathered with cluster ``c`` at strategy ``s``."""
+    was, choice[c] = choice[c], s
+    try:
+        return sum(b for r in regathers for b in r.layouts(choice).values())
+    finally:
+        choice[c] = was
+
+
+def leaner(p: Problem, choice: tuple[int, ...], sweeps: int = 8) -> tuple[int, ...]:
+    """``choice`` made leaner one cluster at a time: each moves to the strategy holding
+    least of its kept bytes, its fullest phase and the activations kept gathered between
+    it and its neighbours as they stand (ties to the cheaper)."""
+    touching = _regathers_of(p)
+    peak = [[0.0] * len(row) for row in p.memory]  # each cluster's fullest phase
+    for pk in p.peaks:
+        for c, row in pk.items():
+            peak[c] = [max(u, v) for u, v in zip(peak[c], row)]
+    choice = list(choice)
+    for _ in range(sweeps):
+        moved = False
+        for c, row in enumerate(p.memory):
+            best = min(
+                range(len(row)),
+                key=lambda s, c=c, row=row: (
+                    row[s] + peak[c][s] + _gathered(touching[c], choice, c, s),
+                    p.node[c][s],
+                    s,
+                ),
+            )
+            if best != choice[c]:
+                choice[c], moved = best, True
+        if not moved:
+            break
+    return tuple(choice)
+
+
 def greedy(p: Problem) -> tuple[int, ...]:
     """Each cluster's cheapest strategy; if that exceeds the capacity, each cluster's
-    leanest (ties to the cheaper)."""
+    leanest (ties to the cheaper), made leaner where neighbours keep activations
+    gathered between them (:func:`leaner`)."""
     fast = tuple(
         min(range(len(row)), key=lambda s, c=c: (row[s] + p.hidden[c][s], s))
         for c, row in enumerate(p.node)
@@ -123,10 +177,11 @@ def greedy(p: Problem) -> tuple[int, ...]:
     for pk in p.peaks:
         for c, row in pk.items():
             peak[c] = [max(u, v) for u, v in zip(peak[c], row)]
-    return tuple(
+    lean = tuple(
         min(range(len(row)), key=lambda s, c=c: (row[s] + peak[c][s], p.node[c][s], s))
         for c, row in enumerate(p.memory)
     )
+    return leaner(p, lean) if p.regathers else lean
 
 
 def brute_force(p: Problem) -> Solution:
