@@ -76,7 +76,8 @@ def descent(p: Problem, choice: tuple[int, ...], sweeps: int = 8) -> tuple[int, 
     node cost and parameter-gradient reduction, and its edges' conversions with its
     neighbours' strategies as they stand), a cluster moving only to a strategy that holds
     no more than its own in the kept state, in every phase and in the activations kept
-    gathered between it and its neighbours, so a choice that fits keeps fitting. The solver's answer where HiGHS, cut short, found nothing better."""
+    gathered between it and its neighbours, so a choice that fits keeps fitting. The
+    solver's answer where HiGHS, cut short, found nothing better."""
     near: list[list[tuple[list, bool, int]]] = [[] for _ in p.strategies]
     for (a, b), mat in p.edges.items():
         near[a].append((mat, True, b))
