@@ -345,7 +345,7 @@ def regathered_bytes(low, g, kept: Mapping[int, float], sizes, units: Mapping[in
             if units.get(r) is not None:
                 continue
             lay = low.ops[r].inputs[k]
-            b = local_bytes(g, t, lay.reduced if lay.partial else lay, sizes)
+            b = local_bytes(g, t, lay, sizes)  # the spatial split alone: partial sums aside
             if b > base:
                 larger[lay.spec] = b
         total += sum(larger.values())

@@ -136,15 +136,21 @@ def _gathered(regathers, choice: list[int], c: int, s: int) -> float:
         choice[c] = was
 
 
+def _fullest_phases(p: Problem) -> list[list[float]]:
+    """Per cluster and strategy, its bytes in the phase it fills most (0 where none)."""
+    peak = [[0.0] * len(row) for row in p.memory]
+    for pk in p.peaks:
+        for c, row in pk.items():
+            peak[c] = [max(u, v) for u, v in zip(peak[c], row)]
+    return peak
+
+
 def leaner(p: Problem, choice: tuple[int, ...], sweeps: int = 8) -> tuple[int, ...]:
     """``choice`` made leaner one cluster at a time: each moves to the strategy holding
     least of its kept bytes, its fullest phase and the activations kept gathered between
     it and its neighbours as they stand (ties to the cheaper)."""
     touching = _regathers_of(p)
-    peak = [[0.0] * len(row) for row in p.memory]  # each cluster's fullest phase
-    for pk in p.peaks:
-        for c, row in pk.items():
-            peak[c] = [max(u, v) for u, v in zip(peak[c], row)]
+    peak = _fullest_phases(p)
     choice = list(choice)
     for _ in range(sweeps):
         moved = False
@@ -174,10 +180,7 @@ def greedy(p: Problem) -> tuple[int, ...]:
     )
     if p.capacity is None or objective(p, list(fast))[1] <= p.capacity:
         return fast
-    peak = [[0.0] * len(row) for row in p.memory]  # each cluster's fullest phase
-    for pk in p.peaks:
-        for c, row in pk.items():
-            peak[c] = [max(u, v) for u, v in zip(peak[c], row)]
+    peak = _fullest_phases(p)
     lean = tuple(
         min(range(len(row)), key=lambda s, c=c: (row[s] + peak[c][s], p.node[c][s], s))
         for c, row in enumerate(p.memory)

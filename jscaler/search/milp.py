@@ -106,14 +106,13 @@ class Milp:
             row([(x(c, s), 1.0) for s in range(len(st))], 1.0, 1.0)
         # regathered values: per edge (producer, reader), (value, layout, producer
         # strategies making it smaller than that layout, reader strategies reading it so)
+        wants = [_gather_sets(r) for r in p.regathers]  # per value: (layout, I, [(b, J)])
         gathers: dict[tuple[int, int], list] = {}
-        for k, r in enumerate(p.regathers):
-            for spec, b in r.options().items():
-                smaller = frozenset(i for i, m in enumerate(r.made) if b > r.count * m)
-                for c, per in r.readers:
-                    reads = frozenset(j for j, (sp, _) in enumerate(per) if sp == spec)
-                    if reads and smaller:
-                        gathers.setdefault((r.cluster, c), []).append((k, spec, smaller, reads))
+        for k, (r, sets) in enumerate(zip(p.regathers, wants)):
+            for spec, smaller, reads in sets:
+                for c, js in reads:
+                    if js and smaller:
+                        gathers.setdefault((r.cluster, c), []).append((k, spec, smaller, js))
         pairs: dict[tuple, set[int]] = {}  # (value, layout, reader) -> e variables covered
         for (a, b), mat in sorted(p.edges.items()):
             marks = gathers.get((a, b), ())
@@ -152,23 +151,22 @@ class Milp:
         # smaller (the pair products: as tight as the edges' own rows); without an edge,
         # g >= x[reader, J] + x[producer, I] - 1
         self.gathered = []
-        for k, r in enumerate(p.regathers):
+        for k, (r, sets) in enumerate(zip(p.regathers, wants)):
             gs = {}
-            for spec, b in r.options().items():
+            for spec, smaller, reads in sets:
                 gs[spec] = n
                 n += 1
                 cost.append(0.0)
-                smaller = [i for i, m in enumerate(r.made) if b > r.count * m]
-                for c, per in r.readers:
-                    reads = [j for j, (sp, _) in enumerate(per) if sp == spec]
-                    if not reads or not smaller:
+                for c, js in reads:
+                    if not js or not smaller:
                         continue
                     if (r.cluster, c) in p.edges:
                         es = sorted(pairs.get((k, spec, c), ()))
                         row([(gs[spec], 1.0)] + [(e, -1.0) for e in es], 0.0, np.inf)
                     else:
-                        row([(gs[spec], 1.0)] + [(x(c, j), -1.0) for j in reads]
-                            + [(x(r.cluster, i), -1.0) for i in smaller], -1.0, np.inf)  # fmt: skip
+                        both = [(x(c, j), -1.0) for j in sorted(js)]
+                        both += [(x(r.cluster, i), -1.0) for i in sorted(smaller)]
+                        row([(gs[spec], 1.0), *both], -1.0, np.inf)
             self.gathered.append(gs)
         self.z, self.w = n, n + 1
         n += 2
@@ -357,6 +355,20 @@ class _Work:
         self.done += self.root * (TREE if out.mip_node_count > 0 else 1.0)
         if self.done >= self.limit:
             into.user_interrupt = True
+
+
+def _gather_sets(r) -> list[tuple]:
+    """Per layout regather ``r`` may keep a copy in: ``(layout, the producer's strategies
+    making the value smaller than it, [(reader cluster, its strategies reading it so)])``,
+    in the order of :meth:`~jscaler.search.problem.Regather.options`."""
+    out = []
+    for spec, b in r.options().items():
+        smaller = frozenset(i for i, m in enumerate(r.made) if b > r.count * m)
+        reads = [
+            (c, frozenset(j for j, (sp, _) in enumerate(per) if sp == spec)) for c, per in r.readers
+        ]
+        out.append((spec, smaller, reads))
+    return out
 
 
 def _alike(mat) -> list[list[int]]:
