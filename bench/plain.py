@@ -62,6 +62,7 @@ class Side:
     comm: dict[str, tuple[int, int]] = field(default_factory=dict)
     step_s: float | None = None
     loss: float | None = None  # after WARM updates
+    loss1: float | None = None  # after one update
     pred_memory: int | None = None
     pred_comm: int | None = None
     error: str | None = None
@@ -176,6 +177,8 @@ def _interleave(sides: list[tuple[Side, object]], batch, steps: int) -> None:
             except Exception as e:  # noqa: BLE001
                 side.error = _error(e)
                 continue
+            if i == 1:
+                side.loss1 = loss
             if i == WARM:
                 side.loss = loss
             if i >= WARM:
