@@ -16,8 +16,13 @@ cotangent). The gradient reduction after it holds every gradient as the backward
 ZeRO-3's gathered one), since XLA combines a step's reductions into one collective, and
 their reduced copies. On a backend without a grouped matmul (``Cluster.native_ragged_dot``
 False: XLA on CPU and GPU) a ``ragged_dot`` is a dense dot over its piece's groups, whose
-expanded lhs the backward keeps (:func:`ragged_expansions`). ``jscaler bench cost`` holds
-the total to XLA's ``memory_analysis()``.
+expanded lhs the backward keeps (:func:`ragged_expansions`). Layers stacked under an
+exposed scan add a third phase, the scan's backward: the loop's kept values and those
+made before it (the loss head's were freed by its own backward, which ran first), one
+iteration's rerun values, its layer's weight gradients (and ZeRO-3's gathered weights),
+the stacked gradient buffer of every layer the loop writes (:func:`stacked_grads`) and
+the gradients the loss head already made, all held for the step's one combined
+reduction. ``jscaler bench cost`` holds the total to XLA's ``memory_analysis()``.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ __all__ = [
     "regathered_bytes",
     "saved_for_backward",
     "shared_params",
+    "stacked_grads",
     "spmd_memory",
     "unit_edges",
     "unreduced_grad",
@@ -281,7 +287,6 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
     kept.update(looped)
     work = max(
         working_set(low, None, cl.fuses_elementwise),
-        iteration,
         *(sum(size(t, produced[t]) for t in ts) for ts in gathered),
         0.0,
     )
@@ -291,6 +296,20 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
     if not cl.native_ragged_dot:
         masks = not cl.fuses_elementwise
         acts = scale * (_dense_ragged_peak(low, g, kept, work, extra, masks) + regathered)
+    if looped:
+        stacked = state * sum(size(t, low.storage[t]) for t in stacked_grads(g, low.grad))
+        # one iteration's backward holds its layer's weight gradients before they join
+        # the stack and, under ZeRO-3, the layer's weights gathered again
+        layer = [
+            _layer_bytes(g, o, produced, size)
+            for o in g.ops
+            if o.primitive == "scan_slice" and _stored(g, o.inputs[0]) in low.grad
+        ]
+        during = _loop_backward(g, kept) + regathered + iteration + sum(a + b for a, b in layer)
+        # the gradients the backward made before the loop's (the loss head's weights, a
+        # tied embedding's head part), held for the step's one combined reduction
+        made = state * sum(size(t, unreduced_grad(low, t)) for t in _read_after_loops(g, low.grad))
+        acts = max(acts, scale * during + stacked + made)
     reduced = state * sum(reduced_bytes(low, t, cl) for t in low.grad)
     reduced += state * sum(
         2 * (len(readers) - 1) * size(t, unreduced_grad(low, t))
@@ -298,6 +317,62 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
         if t in low.grad
     )
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
+
+
+def _loop_backward(g, kept: Mapping) -> float:
+    """What the backward of the (last) exposed scan starts from: the kept values of the
+    loop and of the ops before it. Those after it (the final norm, the loss head) were
+    read by their own backward, which ran first, and freed. Keys of ``kept``: a value,
+    or (value, layout) for an input :func:`loop_residuals` keeps re-laid inside a loop."""
+    last = max(k for k, o in enumerate(g.ops) if o.loop is not None)
+    position = {t: k for k, o in enumerate(g.ops) for t in o.outputs}
+    return sum(b for t, b in kept.items() if not isinstance(t, int) or position[t] <= last)
+
+
+def _layer_bytes(g, sliced, produced, size) -> tuple[float, float]:
+    """(its gradient, its gathered copy): bytes of one layer of a stacked parameter as a
+    scan's body reads it, the ``scan_slice``'s output or the larger copy a ZeRO-3
+    gather makes of it (0 where there is none)."""
+    t = sliced.outputs[0]
+    out = size(t, produced[t])
+    gathered = max(
+        (size(x, produced[x]) for o in g.consumers(t) if o.kind == "identity" for x in o.outputs),
+        default=0.0,
+    )
+    return max(out, gathered), gathered
+
+
+def _read_after_loops(g, grad) -> set[int]:
+    """The parameters in ``grad`` an op after the last exposed scan reads (or reads
+    ZeRO-3's gathered copy of)."""
+    last = max(k for k, o in enumerate(g.ops) if o.loop is not None)
+    return {_stored(g, t) for o in g.ops[last + 1 :] for t in o.inputs} & set(grad)
+
+
+def _stored(g, t):
+    """``t``, or the stored parameter a chain of ZeRO-3 gathers made it from."""
+    made = g.producer(t) if not isinstance(t, Literal) else None
+    while made is not None and made.kind == "identity":
+        t = made.inputs[0]
+        made = g.producer(t)
+    return t
+
+
+def stacked_grads(g, grad) -> set[int]:
+    """The parameters in ``grad`` an exposed scan's body reads a layer of (through its
+    ``scan_slice``, or a ZeRO-3 gather of it). The backward of a scan writes their
+    gradients as the loop's stacked output, one buffer for every layer allocated before
+    the loop starts, so all of them are alive beside the loop's kept values while it
+    runs (XLA's buffer assignment on CPU: the ``[layers, ...]`` gradient stacks live
+    across the backward ``while``), before any gradient reduction."""
+    out = set()
+    for o in g.ops:
+        if o.primitive != "scan_slice":
+            continue
+        x = _stored(g, o.inputs[0])
+        if x in grad:
+            out.add(x)
+    return out
 
 
 def nonlinear_readers(graph) -> dict[int, tuple[tuple[int, int], ...]]:
