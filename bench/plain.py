@@ -163,10 +163,10 @@ def jscaler_side(side: Side, bm: BenchModel, plan, opt, n: int):
     return trainer
 
 
-def _interleave(sides: list[tuple[Side, object]], batch, steps: int) -> None:
-    """WARM untimed steps then ``steps`` timed ones, one step of each runner in turn."""
+def _interleave(sides: list[tuple[Side, object]], batch, steps: int, warm: int = WARM) -> None:
+    """``warm`` untimed steps then ``steps`` timed ones, one step of each runner in turn."""
     times: dict[int, list[float]] = {id(s): [] for s, _ in sides}
-    for i in range(WARM + steps):
+    for i in range(warm + steps):
         for side, runner in sides:
             if side.error:
                 continue
@@ -179,9 +179,9 @@ def _interleave(sides: list[tuple[Side, object]], batch, steps: int) -> None:
                 continue
             if i == 1:
                 side.loss1 = loss
-            if i == WARM:
+            if i == warm:
                 side.loss = loss
-            if i >= WARM:
+            if i >= warm:
                 times[id(side)].append(elapsed)
     for side, _ in sides:
         if times[id(side)] and not side.error:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import jax
 import optax
 
-from bench.plain import Side, _error, _interleave, _static, default_pairs, jscaler_side
+from bench.plain import WARM, Side, _error, _interleave, _static, default_pairs, jscaler_side
 from bench.plain_baselines import BASELINES, label
 from bench.table import columns, percent, times
 from bench.variant_models import Variant, VariantModel, build, draw_many
@@ -146,8 +146,11 @@ class _Model:
         return self.model
 
 
-def measure(vm: VariantModel, n: int = N_DEVICES, steps: int = 3, keys=None) -> Result:
-    """Every row of one variant; the runners' steps interleaved."""
+def measure(
+    vm: VariantModel, n: int = N_DEVICES, steps: int = 3, keys=None, warm: int = WARM
+) -> Result:
+    """Every row of one variant; the runners' steps interleaved (``warm`` untimed ones
+    first: at least 1, as the loss compared is the one after the first update)."""
     opt = optax.adamw(1e-3)
     res = Result(vm.variant)
     runners = []
@@ -168,7 +171,7 @@ def measure(vm: VariantModel, n: int = N_DEVICES, steps: int = 3, keys=None) -> 
                 pass
         runners.append((js, trainer))
         res.rows.append(row)
-    _interleave([(s, r) for s, r in runners if r is not None], vm.batch, steps)
+    _interleave([(s, r) for s, r in runners if r is not None], vm.batch, steps, warm)
     del runners
     jax.clear_caches()
     gc.collect()
