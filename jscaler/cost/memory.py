@@ -297,18 +297,16 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
         masks = not cl.fuses_elementwise
         acts = scale * (_dense_ragged_peak(low, g, kept, work, extra, masks) + regathered)
     if looped:
+        last = max(k for k, o in enumerate(g.ops) if o.loop is not None)  # the last scan's
         stacked = state * sum(size(t, low.storage[t]) for t in stacked_grads(g, low.grad))
         # one iteration's backward holds its layer's weight gradients before they join
         # the stack and, under ZeRO-3, the layer's weights gathered again
-        layer = [
-            _layer_bytes(g, o, produced, size)
-            for o in g.ops
-            if o.primitive == "scan_slice" and _stored(g, o.inputs[0]) in low.grad
-        ]
-        during = _loop_backward(g, kept) + regathered + iteration + sum(a + b for a, b in layer)
+        layer = sum(_layer_bytes(g, o, produced, size) for o, _ in _layer_slices(g, low.grad))
+        during = _loop_backward(g, kept, last) + regathered + iteration + layer
         # the gradients the backward made before the loop's (the loss head's weights, a
         # tied embedding's head part), held for the step's one combined reduction
-        made = state * sum(size(t, unreduced_grad(low, t)) for t in _read_after_loops(g, low.grad))
+        after = {_stored(g, t) for o in g.ops[last + 1 :] for t in o.inputs} & set(low.grad)
+        made = state * sum(size(t, unreduced_grad(low, t)) for t in after)
         acts = max(acts, scale * during + stacked + made)
     reduced = state * sum(reduced_bytes(low, t, cl) for t in low.grad)
     reduced += state * sum(
@@ -319,34 +317,26 @@ def spmd_memory(low, g, sizes, slots: int, scale: float, cl: Cluster, state: flo
     return memory_breakdown(params, grads, opt, batch, acts, reduced)
 
 
-def _loop_backward(g, kept: Mapping) -> float:
-    """What the backward of the (last) exposed scan starts from: the kept values of the
-    loop and of the ops before it. Those after it (the final norm, the loss head) were
-    read by their own backward, which ran first, and freed. Keys of ``kept``: a value,
-    or (value, layout) for an input :func:`loop_residuals` keeps re-laid inside a loop."""
-    last = max(k for k, o in enumerate(g.ops) if o.loop is not None)
+def _loop_backward(g, kept: Mapping, last: int) -> float:
+    """What the backward of the last exposed scan (its ops end at ``g.ops[last]``) starts
+    from: the kept values of the loop and of the ops before it. Those after it (the final
+    norm, the loss head) were read by their own backward, which ran first, and freed.
+    Keys of ``kept``: a value, or (value, layout) for an input :func:`loop_residuals`
+    keeps re-laid inside a loop."""
     position = {t: k for k, o in enumerate(g.ops) for t in o.outputs}
     return sum(b for t, b in kept.items() if not isinstance(t, int) or position[t] <= last)
 
 
-def _layer_bytes(g, sliced, produced, size) -> tuple[float, float]:
-    """(its gradient, its gathered copy): bytes of one layer of a stacked parameter as a
-    scan's body reads it, the ``scan_slice``'s output or the larger copy a ZeRO-3
-    gather makes of it (0 where there is none)."""
+def _layer_bytes(g, sliced, produced, size) -> float:
+    """What one iteration's backward holds of a stacked parameter's layer: its gradient,
+    in the layout the body reads the layer in (the ``scan_slice``'s output, or the larger
+    copy a ZeRO-3 gather makes of it), plus that gathered copy where there is one."""
     t = sliced.outputs[0]
-    out = size(t, produced[t])
     gathered = max(
         (size(x, produced[x]) for o in g.consumers(t) if o.kind == "identity" for x in o.outputs),
         default=0.0,
     )
-    return max(out, gathered), gathered
-
-
-def _read_after_loops(g, grad) -> set[int]:
-    """The parameters in ``grad`` an op after the last exposed scan reads (or reads
-    ZeRO-3's gathered copy of)."""
-    last = max(k for k, o in enumerate(g.ops) if o.loop is not None)
-    return {_stored(g, t) for o in g.ops[last + 1 :] for t in o.inputs} & set(grad)
+    return max(size(t, produced[t]), gathered) + gathered
 
 
 def _stored(g, t):
@@ -358,6 +348,16 @@ def _stored(g, t):
     return t
 
 
+def _layer_slices(g, grad):
+    """``(scan_slice op, stored parameter)`` per layer slice an exposed scan's body takes
+    of a parameter in ``grad`` (directly or through a ZeRO-3 gather)."""
+    for o in g.ops:
+        if o.primitive == "scan_slice":
+            x = _stored(g, o.inputs[0])
+            if x in grad:
+                yield o, x
+
+
 def stacked_grads(g, grad) -> set[int]:
     """The parameters in ``grad`` an exposed scan's body reads a layer of (through its
     ``scan_slice``, or a ZeRO-3 gather of it). The backward of a scan writes their
@@ -365,14 +365,7 @@ def stacked_grads(g, grad) -> set[int]:
     the loop starts, so all of them are alive beside the loop's kept values while it
     runs (XLA's buffer assignment on CPU: the ``[layers, ...]`` gradient stacks live
     across the backward ``while``), before any gradient reduction."""
-    out = set()
-    for o in g.ops:
-        if o.primitive != "scan_slice":
-            continue
-        x = _stored(g, o.inputs[0])
-        if x in grad:
-            out.add(x)
-    return out
+    return {x for _, x in _layer_slices(g, grad)}
 
 
 def nonlinear_readers(graph) -> dict[int, tuple[tuple[int, int], ...]]:
